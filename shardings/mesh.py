@@ -16,16 +16,29 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardings.errors import sharding_error
 
-__all__ = ["Mesh", "NamedSharding", "P", "validate_spec"]
+__all__ = ["Mesh", "NamedSharding", "P", "axis_of_group", "register_group", "validate_spec"]
 
 Entry = None | str | tuple[str, ...]
 
 # DeviceMeshes built for the running process group; cleared when a runtime tears its group down.
 _DEVICE_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+# Process-group name -> mesh axis label ("tp", or "dp+tp" for a flattened group), for accounting.
+_GROUP_AXES: dict[str, str] = {}
 
 
 def _clear_device_meshes() -> None:
     _DEVICE_MESHES.clear()
+    _GROUP_AXES.clear()
+
+
+def register_group(group_name: str, axis_label: str) -> None:
+    """Record which mesh axis (or ``"a+b"`` for a flattened tuple) a process group spans."""
+    _GROUP_AXES[group_name] = axis_label
+
+
+def axis_of_group(group_name: str) -> str | None:
+    """The mesh axis label a process group was registered under, or ``None``."""
+    return _GROUP_AXES.get(group_name)
 
 
 class Mesh:
@@ -109,9 +122,10 @@ class Mesh:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         key = (device_type, tuple(self._shape.items()))
         if key not in _DEVICE_MESHES:
-            _DEVICE_MESHES[key] = init_device_mesh(
-                device_type, tuple(self._shape.values()), mesh_dim_names=self.axis_names
-            )
+            dm = init_device_mesh(device_type, tuple(self._shape.values()), mesh_dim_names=self.axis_names)
+            for name in self.axis_names:
+                register_group(dm.get_group(name).group_name, name)
+            _DEVICE_MESHES[key] = dm
         return _DEVICE_MESHES[key]
 
     def __repr__(self) -> str:
