@@ -1,0 +1,129 @@
+"""Sharded init: every rank computes only the blocks it owns, equal bit for bit to the full init."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed._local_tensor import rank_map
+from torch.distributed.tensor import DTensor
+
+from core import deferred, tree
+from shardings import layouts, lower
+from shardings.distribute import shard
+from shardings.errors import sharding_error
+from shardings.mesh import Mesh, P
+from shardings.rules import is_names, logical_to_spec
+
+__all__ = ["coords_of_rank", "init", "param_specs"]
+
+# Dims whose per-shard size must be whole: the model reshapes around them (heads × head_dim).
+_MUST_DIVIDE = ("heads", "kv_heads", "head_dim")
+
+
+def coords_of_rank(rank: int, mesh: Mesh) -> dict[str, int]:
+    """The mesh coordinates of a global rank (row-major over the mesh's axes, as ``init_device_mesh``)."""
+    coords = {}
+    for name in reversed(mesh.axis_names):
+        rank, coords[name] = divmod(rank, mesh.shape[name])
+    return {n: coords[n] for n in mesh.axis_names}
+
+
+def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str = "params") -> Any:
+    """The spec tree for ``params_like`` (tensors or anything with ``.shape``) under a layout role.
+
+    Checks that the axes tree matches the params tree and that dims named heads/kv_heads/head_dim
+    divide evenly by the mesh axes they are sharded over.
+    """
+    layout = layouts.get(layout)
+    rules = layout.role(role)
+    axes_leaves, axes_def = tree.flatten(axes, is_leaf=is_names)
+    leaves, params_def = tree.flatten_with_path(params_like)
+    if axes_def != params_def:
+        a = {tree.keystr(p) for p, _ in tree.leaves_with_path(axes, is_leaf=is_names)}
+        b = {tree.keystr(p) for p, _ in leaves}
+        raise sharding_error(
+            f"the axes tree does not match the params tree (only in axes: {sorted(a - b)[:3]}, "
+            f"only in params: {sorted(b - a)[:3]})",
+            fix="give axes(cfg) exactly the structure of init(key, cfg), one names tuple per parameter",
+            mesh=mesh,
+        )
+    specs = []
+    for (path, leaf), names in zip(leaves, axes_leaves):
+        shape = tuple(leaf.shape)
+        if len(names) != len(shape):
+            raise sharding_error(
+                f"the logical names {names} have {len(names)} entries but the parameter has {len(shape)} dims",
+                fix="give one logical name (or None) per dim",
+                path=path,
+                shape=shape,
+                mesh=mesh,
+            )
+        spec = logical_to_spec(names, rules, mesh, path=path)
+        for name, size, entry in zip(names, shape, spec.dim_axes()):
+            parts = mesh.axis_size(entry)
+            if name in _MUST_DIVIDE and size % parts:
+                raise sharding_error(
+                    f"dim {name!r} has size {size}, not divisible by {parts} (mesh axes {entry})",
+                    fix=f"choose a {name} count divisible by {parts}, or a layout that keeps {name} whole",
+                    path=path,
+                    spec=spec,
+                    shape=shape,
+                    mesh=mesh,
+                )
+        specs.append(spec)
+    return tree.unflatten(params_def, specs)
+
+
+def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
+    if isinstance(recipe, torch.Tensor):  # materialized by the init function itself: small, shard it
+        return shard(recipe.detach(), spec, mesh)
+    if not isinstance(recipe, deferred.Deferred):
+        raise sharding_error(
+            f"the init function returned a {type(recipe).__name__} leaf",
+            fix="return tensors (core.random draws or torch.zeros/ones/full) as parameter leaves",
+            path=path,
+            cls=TypeError,
+        )
+    shape = tuple(recipe.shape)
+    local = rank_map(lambda r: recipe.block(lower.local_block(shape, spec, mesh, coords_of_rank(r, mesh))))
+    stride = torch.empty(shape, device="meta").stride()
+    placements = lower.to_placements(spec, mesh, len(shape), path=path)
+    return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def init(
+    init_fn: Callable[[Any, Any], Any], key: torch.Tensor, cfg: Any, *, axes: Any, layout: Any, mesh: Mesh
+) -> Any:
+    """Initialize parameters directly in their sharded storage layout.
+
+    The init function runs once in deferred mode (see ``core.deferred``): each parameter comes
+    back as a recipe, and each rank evaluates only its own block of it. No rank materializes a
+    full parameter, and ``gather`` of the result equals ``init_fn(key, cfg)`` bitwise.
+
+    Args:
+        init_fn: ``init(key, cfg) -> params``, written for one device with ``core.random``.
+        key: a ``core.random`` key.
+        cfg: the model config.
+        axes: a tree like the params, each leaf a tuple of logical names.
+        layout: a ``Layout`` or preset string; its ``params`` role decides storage.
+        mesh: the mesh.
+
+    Returns:
+        The params tree with DTensor leaves.
+
+    >>> with simulate(4):
+    ...     params = init(models.mlp.init, core.random.key(0), cfg, axes=models.mlp.axes(cfg),
+    ...                   layout="zero3", mesh=Mesh(dp=4))
+    """
+    layout = layouts.get(layout)
+    layouts.validate(layout, mesh)
+    with deferred.deferred():
+        recipes = init_fn(key, cfg)
+    specs = param_specs(axes, recipes, layout, mesh)
+    params = tree.map_with_path(lambda path, r, s: _place(r, s, mesh, path), recipes, specs)
+    # Remembered so train_step can plan every role without being handed the axes again.
+    for p, names in zip(tree.leaves(params), tree.leaves(axes, is_leaf=is_names)):
+        p._logical_names = tuple(names)
+    return params

@@ -1,0 +1,266 @@
+"""The sharded train step: the layout's tables decide every collective.
+
+One step, for a layout and a mesh:
+
+1. The batch is placed by the ``batch`` rules (each data-parallel rank keeps its rows).
+2. Parameters go from ``params`` (storage) to ``compute`` placements: for ZeRO-3 an all-gather,
+   re-gathered in backward rather than kept (``gather_params``).
+3. ``loss_fn`` runs under ``use(mesh, layout)``, so its ``constrain`` calls resolve. Gradients of
+   replicated parameters come out ``Partial`` (unreduced).
+4. Gradients are reduced straight into the ``opt_state`` placements — replicated there: an
+   all-reduce (DP); sharded there: a reduce-scatter (ZeRO). A ``grads`` role that is sharded
+   means "never hold full gradients": each gradient is reduced as soon as backward produces it.
+   Otherwise gradients stay ``Partial`` across accumulation microbatches and are reduced once.
+5. The optimizer updates in the ``opt_state`` layout; new parameters go back to storage
+   (an all-gather of the updated shards for ZeRO-1/2).
+
+The loss is the mean over the global batch's tokens, under any data-parallel or accumulation split:
+each microbatch's mean is weighted by its share of the step's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import core
+from core import tree
+from shardings import accounting, layouts, lower
+from shardings.context import use
+from shardings.distribute import shard
+from shardings.errors import sharding_error
+from shardings.gather_params import regather_in_backward, to_compute
+from shardings.initialize import param_specs
+from shardings.mesh import Mesh, P
+from shardings.rules import logical_to_spec
+from shardings.simulate import per_rank
+
+__all__ = ["TrainStep", "default_token_count", "train_step"]
+
+_ROLES = ("params", "compute", "grads", "opt_state")
+
+
+def default_token_count(batch: Any, ignore_index: int = -100) -> torch.Tensor:
+    """Tokens a batch contributes to the loss: labels ≠ ``ignore_index``, else the leading dim of the first leaf."""
+    if isinstance(batch, dict) and "labels" in batch:
+        return (batch["labels"] != ignore_index).sum()
+    first = tree.leaves(batch)[0]
+    return torch.ones((), dtype=torch.int64) * first.shape[0]
+
+
+def _scalar(x: torch.Tensor) -> float:
+    """A replicated scalar (DTensor or not, simulated or not) as a Python float."""
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return float(per_rank(x.detach())[0])
+
+
+class Plan(NamedTuple):
+    """Per-parameter specs for each role, resolved once from the logical axes."""
+
+    specs: dict[str, Any]
+    placements: dict[str, list]
+    treedef: Any
+
+
+class TrainStep:
+    """A jit-free, pure train step. Build with :func:`train_step`."""
+
+    def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
+                 precision=None, token_count=default_token_count):
+        if not isinstance(accum_steps, int) or accum_steps < 1:
+            raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
+        self.loss_fn, self.mesh, self.axes = loss_fn, mesh, axes
+        self.layout = layouts.get(layout)
+        layouts.validate(self.layout, mesh)
+        self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
+        clip = [core.optim.clip_by_global_norm(clip_norm)] if clip_norm is not None else []
+        self.optimizer = core.optim.chain(*clip, optimizer) if clip else optimizer
+        self._plan: Plan | None = None
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan(self, params: Any) -> Plan:
+        """Specs and placements of every parameter for each role (cached after the first call)."""
+        if self._plan is None:
+            axes = self.axes if self.axes is not None else _recorded_axes(params)
+            specs = {r: param_specs(axes, params, self.layout, self.mesh, role=r) for r in _ROLES}
+            flat = {r: tree.leaves(specs[r], is_leaf=lambda s: isinstance(s, P)) for r in _ROLES}
+            placements = {
+                r: [lower.to_placements(s, self.mesh, len(p.shape)) for s, p in zip(flat[r], tree.leaves(params))]
+                for r in _ROLES
+            }
+            self._plan = Plan(specs, placements, tree.structure(params))
+        return self._plan
+
+    def _to(self, role: str, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        dm = self.mesh.device_mesh
+        return [x.redistribute(dm, pl) for x, pl in zip(leaves, self._plan.placements[role])]
+
+    # -- public API -------------------------------------------------------------------------------
+    def init(self, params: Any) -> Any:
+        """The optimizer state, sharded by the layout's ``opt_state`` rules."""
+        self.plan(params)
+        with torch.no_grad():
+            return self.optimizer.init(tree.unflatten(self._plan.treedef, self._to("opt_state", tree.leaves(params))))
+
+    def grads(self, params: Any, batch: Any) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """``(loss, grads, tokens)``; grads are reduced and laid out like the optimizer state."""
+        plan = self.plan(params)
+        batch = self._place_batch(batch)
+        leaves = [p.detach().requires_grad_(True) for p in tree.leaves(params)]
+        reduce_now = self._reduce_in_backward()
+        hooks = [p.register_hook(self._reducer(i)) for i, p in enumerate(leaves) if reduce_now[i]]
+        total_tokens = self.token_count(batch)
+        loss_sum, acc = None, None
+        try:
+            for mb in self._microbatches(batch):
+                weight = self.token_count(mb) / total_tokens
+                with use(self.mesh, self.layout), regather_in_backward():
+                    compute = [to_compute(p, pl) for p, pl in zip(leaves, plan.placements["compute"])]
+                    compute = self._cast_compute(compute)
+                    loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
+                    del compute
+                    g = torch.autograd.grad(loss, leaves, allow_unused=True)
+                g = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(leaves, g)]
+                acc = g if acc is None else [a + b for a, b in zip(acc, g)]
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        finally:
+            for h in hooks:
+                h.remove()
+        reduced = self._to("opt_state", acc)  # Partial -> replicated: all-reduce; -> sharded: reduce-scatter
+        return loss_sum, tree.unflatten(plan.treedef, reduced), total_tokens
+
+    def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        """One optimizer update in the ``opt_state`` layout; returns params in storage layout."""
+        plan = self.plan(params)
+        with torch.no_grad():
+            p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
+            updates, opt_state = self.optimizer.update(grads, opt_state, p_opt)
+            new = tree.leaves(core.optim.apply_updates(p_opt, updates))
+            return tree.unflatten(plan.treedef, self._to("params", new)), opt_state
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """``(params, opt_state, metrics)`` after one step on ``batch``."""
+        with accounting.comms() as c:
+            loss, grads, tokens = self.grads(params, batch)
+            grad_norm = core.optim.global_norm(grads)
+            new_params, new_state = self.apply(params, opt_state, grads)
+        metrics = {
+            "loss": _scalar(loss),
+            "grad_norm": _scalar(grad_norm),
+            "tokens": int(_scalar(tokens)),
+            "comm": c.rows(),
+            "comm_bytes": c.total_bytes(),
+            "memory": {
+                "params": accounting.memory(new_params),
+                "grads": self._grad_bytes(params, grads),
+                "opt_state": accounting.memory(new_state),
+            },
+        }
+        return new_params, new_state, metrics
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _reduce_in_backward(self) -> list[bool]:
+        # A sharded grads role: reduce each gradient as backward produces it (ZeRO-2/3 memory).
+        # A gradient whose compute placement differs from storage is reduced by the gather's backward.
+        pl = self._plan.placements
+        return [g != c and c == s for g, c, s in zip(pl["grads"], pl["compute"], pl["params"])]
+
+    def _reducer(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        placements = self._plan.placements["grads"][i]
+        return lambda g: g.redistribute(g.device_mesh, placements)
+
+    def _grad_bytes(self, params: Any, grads: Any) -> int:
+        # Held gradient memory: full-size unless the grads role shards them (ZeRO-2/3).
+        sizes = [p.shape for p in tree.leaves(params)]
+        return sum(
+            accounting.memory(torch.empty(s, dtype=g.dtype, device="meta")) if pl == pc else accounting.memory(g)
+            for s, g, pl, pc in zip(sizes, tree.leaves(grads), self._plan.placements["grads"],
+                                   self._plan.placements["compute"])
+        )
+
+    def _cast_compute(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.precision is None:
+            return leaves
+        dtype = self.precision.compute_dtype
+        return [x.to(dtype) if x.is_floating_point() else x for x in leaves]
+
+    def _place_batch(self, batch: Any) -> Any:
+        rules = self.layout.role("batch")
+
+        def place(path, x):
+            names = ("batch", "seq", *([None] * (x.ndim - 2)))[: x.ndim]
+            spec = logical_to_spec(names, rules, self.mesh, path=path)
+            if x.ndim == 0 or x.shape[0] % (self.mesh.axis_size(spec.dim_axes()[0]) * self.accum_steps):
+                raise sharding_error(
+                    f"batch size {x.shape[0] if x.ndim else 0} is not divisible by "
+                    f"{self.mesh.axis_size(spec.dim_axes()[0] if x.ndim else None)} data-parallel ranks × "
+                    f"{self.accum_steps} accumulation steps",
+                    fix="use a global batch size that is a multiple of data-parallel ranks × accum_steps",
+                    path=path, spec=spec, shape=x.shape, mesh=self.mesh,
+                )
+            if isinstance(x, DTensor):
+                return x.redistribute(self.mesh.device_mesh, lower.to_placements(spec, self.mesh, x.ndim))
+            return shard(x, spec, self.mesh)
+
+        return tree.map_with_path(place, batch)
+
+    def _microbatches(self, batch: Any) -> list[Any]:
+        k = self.accum_steps
+        if k == 1:
+            return [batch]
+
+        def split(x: DTensor) -> list[DTensor]:
+            # Each rank splits its own rows, so microbatching never moves data between ranks.
+            shape = (x.shape[0] // k, *x.shape[1:])
+            stride = torch.empty(shape, device="meta").stride()
+            return [
+                DTensor.from_local(part, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride)
+                for part in x.to_local().chunk(k)
+            ]
+
+        leaves, treedef = tree.flatten(batch)
+        parts = [split(x) for x in leaves]
+        return [tree.unflatten(treedef, [p[i] for p in parts]) for i in range(k)]
+
+
+def _recorded_axes(params: Any) -> Any:
+    axes = tree.map(lambda p: getattr(p, "_logical_names", None), params)
+    if any(a is None for a in tree.leaves(axes, is_leaf=lambda a: a is None)):
+        raise sharding_error(
+            "train_step cannot tell the logical axes of the params (they were not made by shardings.init)",
+            fix="pass axes=model.axes(cfg) to train_step",
+            cls=TypeError,
+        )
+    return axes
+
+
+def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, layout: Any, mesh: Mesh,
+               axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
+               token_count: Callable[[Any], torch.Tensor] = default_token_count) -> TrainStep:
+    """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
+
+    Args:
+        loss_fn: the single-device loss, mean over the batch's tokens.
+        optimizer: a ``core.optim.GradientTransformation``.
+        layout: a ``Layout`` or preset string (``"zero3+tp+sp"``).
+        mesh: the mesh.
+        axes: the params' logical names; optional for params made by ``shardings.init``.
+        accum_steps: microbatches per step (grads reduced once when the grads role allows).
+        clip_norm: clip gradients to this global norm (computed across all shards and axes).
+        precision: a ``core.precision.Policy``; params are cast to its compute dtype for the loss.
+        token_count: ``batch -> tokens`` used to weight microbatches (labels ≠ -100 by default).
+
+    Returns:
+        A :class:`TrainStep`: ``opt_state = step.init(params)``, then
+        ``params, opt_state, metrics = step(params, opt_state, batch)``.
+
+    >>> step = train_step(functools.partial(models.gpt.loss, cfg=cfg), core.optim.adamw(3e-4),
+    ...                   layout="zero3+tp", mesh=Mesh(dp=2, tp=2))
+    """
+    return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
+                     clip_norm=clip_norm, precision=precision, token_count=token_count)
