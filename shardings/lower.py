@@ -1,37 +1,213 @@
 """The one place where a ``P`` becomes DTensor placements, and back.
 
 Every other module speaks ``P`` and logical names; only this module knows about ``Shard``,
-``Replicate`` and ``Partial``.
+``_StridedShard``, ``Replicate`` and ``Partial``.
+
+Geometry (what DTensor does, and what :func:`local_block` reproduces): a dim split over the axes
+``(a, b)`` is cut major to minor, with ``torch.chunk`` semantics at each level — first into
+``size(a)`` chunks, then each of those into ``size(b)`` chunks — so uneven dims give the last
+ranks smaller (possibly empty) blocks. When the axes of a tuple are listed in the mesh's order,
+plain ``Shard`` placements do exactly that. In any other order DTensor needs ``_StridedShard``
+(its ``split_factor`` is the product of the sizes of the axes that come earlier in the tuple but
+later in the mesh), which is exact only when the dim divides evenly over the tuple's axes: such
+specs are accepted for divisible dims and rejected, with a clear error, otherwise.
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh, P, validate_spec
 
-__all__ = ["to_placements"]
+__all__ = ["from_placements", "local_block", "mesh_of", "rank_coords", "to_placements"]
 
 
-def to_placements(spec: P, mesh: Mesh, ndim: int | None = None, path=None) -> tuple[Placement, ...]:
+def _split_factors(axes: tuple[str, ...], mesh: Mesh) -> dict[str, int]:
+    """For one dim split over ``axes`` (major to minor): each axis's DTensor split factor."""
+    index = {name: i for i, name in enumerate(mesh.axis_names)}
+    shape = mesh.shape
+    return {
+        name: math.prod(shape[earlier] for earlier in axes[:k] if index[earlier] > index[name])
+        for k, name in enumerate(axes)
+    }
+
+
+def to_placements(
+    spec: P | None, mesh: Mesh, shape: Sequence[int] | int | None = None, path: Any = None
+) -> tuple[Placement, ...]:
     """One placement per mesh axis (mesh order) for ``spec``.
+
+    Args:
+        spec: the partition spec (``None`` means replicated).
+        mesh: the mesh whose axes the spec names.
+        shape: the global tensor shape (or only its number of dims); the spec may not have more
+            entries than dims, and with a full shape a tuple of axes listed out of mesh order must
+            divide its dim evenly (pass the shape to get that check).
+        path: the key path of the leaf, for error messages.
+
+    Returns:
+        A ``Shard``/``_StridedShard``/``Replicate`` per mesh axis.
+
+    Raises:
+        TypeError, ValueError: an invalid spec (see :func:`shardings.mesh.validate_spec`), or a tuple
+            out of mesh order over a dim that does not divide evenly.
 
     >>> to_placements(P(None, "tp"), Mesh(dp=2, tp=2))
     (Replicate(), Shard(dim=1))
+    >>> to_placements(P(("tp", "dp")), Mesh(dp=2, tp=2), (8,))
+    (_StridedShard(dim=0, sf=2), Shard(dim=0))
     """
-    spec = validate_spec(spec, mesh, None if ndim is None else (0,) * ndim, path=path)
+    spec = validate_spec(spec, mesh, shape, path=path)
+    shape = None if isinstance(shape, int) else shape
     placements: list[Placement] = [Replicate()] * len(mesh.axis_names)
-    for dim, names in enumerate(spec.dim_axes()):
-        order = [mesh.axis_names.index(n) for n in names]
-        if order != sorted(order):
+    for dim, axes in enumerate(spec.dim_axes()):
+        factors = _split_factors(axes, mesh)
+        strided = any(f > 1 for f in factors.values())
+        n_chunks = mesh.axis_size(axes)
+        if strided and shape is not None and shape[dim] % n_chunks:
             raise sharding_error(
-                f"dim {dim} is split over {names}, not in the mesh's axis order {mesh.axis_names}",
-                fix="list the axes in mesh order",
+                f"dim {dim} (size {shape[dim]}) is split over {axes}, which is not the mesh's axis order "
+                f"{mesh.axis_names}; DTensor lays that out exactly only when the dim is divisible by "
+                f"{n_chunks} (the product of those axis sizes)",
+                fix=f"list the axes in mesh order, or make dim {dim} a multiple of {n_chunks}",
                 path=path,
                 spec=spec,
                 mesh=mesh,
+                shape=shape,
             )
-        for i in order:
-            placements[i] = Shard(dim)
+        for name, factor in factors.items():
+            i = mesh.axis_names.index(name)
+            placements[i] = Shard(dim) if factor == 1 else _StridedShard(dim, split_factor=factor)
     return tuple(placements)
+
+
+def _axis_order(dim: int, factors: dict[int, int], mesh: Mesh, placements: Any) -> tuple[str, ...]:
+    """Invert :func:`_split_factors`: the major-to-minor axes of one dim from mesh dim → split factor.
+
+    Mesh dims are placed from the last to the first; each goes at the earliest position whose
+    preceding (later-in-mesh) axes multiply to its split factor. Size-1 axes carry no layout, so
+    where they sit in a tuple cannot be recovered; this puts them as early as their factor allows.
+    """
+    sizes = list(mesh.shape.values())
+    order: list[int] = []
+    for m in sorted(factors, reverse=True):
+        slot = next((k for k in range(len(order) + 1) if math.prod(sizes[j] for j in order[:k]) == factors[m]), None)
+        if slot is None:
+            raise sharding_error(
+                f"the placements {tuple(placements)} split dim {dim} in an order no P can express",
+                fix="reshard the tensor to a spec first, e.g. shardings.reshard(x, P(...))",
+                mesh=mesh,
+            )
+        order.insert(slot, m)
+    return tuple(mesh.axis_names[m] for m in order)
+
+
+def from_placements(placements: Sequence[Placement], mesh: Mesh) -> tuple[P, dict[str, str]]:
+    """Invert :func:`to_placements`: the normalized ``P`` and the pending-reduction (``Partial``) axes.
+
+    Args:
+        placements: one DTensor placement per mesh axis.
+        mesh: the mesh the placements refer to.
+
+    Returns:
+        ``(spec, partial)``: ``spec`` describes how the data is laid out (a ``Partial`` axis counts as
+        unsharded), and ``partial`` maps each ``Partial`` mesh axis to its reduce op (``"sum"``, ...).
+
+    Raises:
+        ValueError: a placement kind or a ``_StridedShard`` order that no ``P`` can express.
+
+    >>> from_placements((Shard(1), Partial()), Mesh(tp=2, dp=2))
+    (P(None, 'tp'), {'dp': 'sum'})
+    """
+    factors: dict[int, dict[int, int]] = {}  # tensor dim -> mesh dim -> split factor
+    partial: dict[str, str] = {}
+    for m, (name, p) in enumerate(zip(mesh.axis_names, placements, strict=True)):
+        if isinstance(p, _StridedShard):
+            factors.setdefault(p.dim, {})[m] = int(p.split_factor)
+        elif isinstance(p, Shard):
+            factors.setdefault(p.dim, {})[m] = 1
+        elif isinstance(p, Partial):
+            partial[name] = p.reduce_op
+        elif not isinstance(p, Replicate):
+            raise sharding_error(
+                f"mesh axis {name!r} has placement {p!r}, which no P can express",
+                fix="reshard the tensor to a spec first, e.g. shardings.reshard(x, P(...))",
+                mesh=mesh,
+            )
+    entries: list[Any] = [None] * (max(factors, default=-1) + 1)
+    for dim, by_mesh_dim in factors.items():
+        axes = _axis_order(dim, by_mesh_dim, mesh, placements)
+        entries[dim] = axes[0] if len(axes) == 1 else axes
+    return P(*entries).normalized(), partial
+
+
+def mesh_of(x: DTensor) -> Mesh:
+    """The ``Mesh`` (names and sizes) of a DTensor's device mesh.
+
+    Raises:
+        ValueError: the device mesh has no axis names (it was not built by ``Mesh``).
+    """
+    dm = x.device_mesh
+    if dm.mesh_dim_names is None:
+        raise sharding_error(
+            f"the DTensor's device mesh {dm} has no axis names",
+            fix="build meshes with shardings.Mesh(...) and place tensors with shardings.shard",
+        )
+    return Mesh(dict(zip(dm.mesh_dim_names, dm.mesh.shape, strict=True)))
+
+
+def rank_coords(mesh: Mesh) -> list[dict[str, int]]:
+    """Each rank's coordinates on ``mesh`` (row-major, as ``Mesh.device_mesh`` lays ranks out).
+
+    >>> rank_coords(Mesh(dp=2, tp=2))[1]
+    {'dp': 0, 'tp': 1}
+    """
+    coords: list[dict[str, int]] = []
+    for rank in range(mesh.size):
+        c: dict[str, int] = {}
+        for name, size in reversed(mesh.shape.items()):
+            rank, c[name] = divmod(rank, size)
+        coords.append({name: c[name] for name in mesh.axis_names})
+    return coords
+
+
+def _chunk(start: int, stop: int, n_chunks: int, index: int) -> tuple[int, int]:
+    """Block ``index`` of ``torch.chunk(range(start, stop), n_chunks)``; empty past the last chunk."""
+    step = -(-(stop - start) // n_chunks)  # ceil
+    lo = min(start + index * step, stop)
+    return lo, min(lo + step, stop)
+
+
+def local_block(shape: Sequence[int], spec: P | None, mesh: Mesh, coords: dict[str, int]) -> tuple[slice, ...]:
+    """The block of the global tensor that the rank at mesh ``coords`` holds, one slice per dim.
+
+    Agrees exactly with the local shard DTensor gives that rank for ``to_placements(spec, mesh, shape)``,
+    uneven dims included (``torch.chunk`` semantics, major axis first).
+
+    Args:
+        shape: the global tensor shape.
+        spec: the partition spec (``None`` means replicated).
+        mesh: the mesh.
+        coords: the rank's index along every mesh axis (see :func:`rank_coords`).
+
+    Returns:
+        A tuple of ``slice(start, stop)``, one per dim; ``x[block]`` is the rank's shard.
+
+    >>> local_block((5, 4), P("dp", "tp"), Mesh(dp=2, tp=2), {"dp": 1, "tp": 0})
+    (slice(3, 5, None), slice(0, 2, None))
+    """
+    spec = validate_spec(spec, mesh, shape)
+    axes_per_dim = spec.dim_axes() + ((),) * (len(shape) - len(spec))
+    block = []
+    for size, axes in zip(shape, axes_per_dim):
+        lo, hi = 0, size
+        for name in axes:
+            lo, hi = _chunk(lo, hi, mesh.shape[name], coords[name])
+        block.append(slice(lo, hi))
+    return tuple(block)

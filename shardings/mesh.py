@@ -70,7 +70,9 @@ class Mesh:
                     cls=TypeError if not isinstance(name, str) else ValueError,
                 )
             if name in seen:
-                raise sharding_error(f"mesh axis {name!r} appears twice", fix="give each axis one unique name")
+                raise sharding_error(
+                    f"mesh axis {name!r} appears twice in {pairs}", fix="give each axis one unique name"
+                )
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise sharding_error(
                     f"mesh axis {name!r} has size {size!r}; expected a positive int",
@@ -98,9 +100,7 @@ class Mesh:
         names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         for name in names:
             if name not in self._shape:
-                raise sharding_error(
-                    f"unknown mesh axis {name!r}", fix=f"use one of {self.axis_names}", mesh=self
-                )
+                raise sharding_error(f"unknown mesh axis {name!r}", fix=f"use one of {self.axis_names}", mesh=self)
         return math.prod(self._shape[n] for n in names)
 
     @property
@@ -195,8 +195,8 @@ class P(tuple):
         return (P, tuple(self))
 
 
-def validate_spec(spec: Any, mesh: Mesh, shape: Iterable[int] | None = None, path: Any = None) -> P:
-    """Check ``spec`` against ``mesh`` (and a tensor ``shape``); return it as a ``P``.
+def validate_spec(spec: Any, mesh: Mesh, shape: Iterable[int] | int | None = None, path: Any = None) -> P:
+    """Check ``spec`` against ``mesh`` (and a tensor ``shape``, or only its number of dims); return it as a ``P``.
 
     Raises:
         TypeError: ``spec`` is not a ``P`` (or ``None``).
@@ -222,11 +222,11 @@ def validate_spec(spec: Any, mesh: Mesh, shape: Iterable[int] | None = None, pat
                 mesh=mesh,
             )
     if shape is not None:
-        shape = tuple(shape)
-        if len(spec) > len(shape):
+        ndim, shape = (shape, None) if isinstance(shape, int) else (len(tuple(shape)), tuple(shape))
+        if len(spec) > ndim:
             raise sharding_error(
-                f"the spec has {len(spec)} entries but the tensor has {len(shape)} dims",
-                fix=f"give at most {len(shape)} entries (trailing None may be left out)",
+                f"the spec has {len(spec)} entries but the tensor has only {ndim} dim(s)",
+                fix=f"give at most {ndim} entries, one per dim (trailing None may be left out)",
                 path=path,
                 spec=spec,
                 mesh=mesh,

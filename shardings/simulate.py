@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -17,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from shardings.errors import sharding_error
 from shardings.mesh import _clear_device_meshes
 
-__all__ = ["per_rank", "simulate", "simulated_world_size"]
+__all__ = ["per_rank", "simulate", "simulated_world_size", "unwrap"]
 
 _ACTIVE: list[int] = []
 
@@ -76,3 +77,29 @@ def per_rank(x: Any) -> list[Any]:
     if isinstance(x, LocalTensor):
         return [x._local_tensors[r] for r in sorted(x._local_tensors)]
     return [x]
+
+
+def unwrap(x: Any) -> Any:
+    """A plain tensor from a ``LocalTensor`` whose ranks all hold the same value; other values pass through.
+
+    Raises:
+        ValueError: the ranks hold different values (or shapes).
+
+    >>> with simulate(2):
+    ...     unwrap(torch.ones(2))
+    tensor([1., 1.])
+    """
+    if not isinstance(x, LocalTensor):
+        return x
+    values = per_rank(x)
+    for rank, v in enumerate(values[1:], start=1):
+        same = v.shape == values[0].shape and (
+            torch.equal(v, values[0]) or (v.is_floating_point() and torch.allclose(v, values[0], 0, 0, equal_nan=True))
+        )
+        if not same:
+            raise sharding_error(
+                f"rank {rank} holds a different value than rank 0 (shapes {tuple(v.shape)} and "
+                f"{tuple(values[0].shape)})",
+                fix="use per_rank(x) to look at rank-dependent values",
+            )
+    return values[0]
