@@ -1,7 +1,23 @@
 """The spec language and its lowering: meshes, specs, logical rules, shard_map, runtimes, accounting."""
 
+from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
 from shardings.errors import ShardingError
 from shardings.mesh import Mesh, NamedSharding, P
-from shardings.simulate import per_rank, simulate
+from shardings.simulate import per_rank, simulate, unwrap
+from shardings.visualize import visualize
 
-__all__ = ["Mesh", "NamedSharding", "P", "ShardingError", "per_rank", "simulate"]
+__all__ = [
+    "Mesh",
+    "NamedSharding",
+    "P",
+    "ShardingError",
+    "gather",
+    "partial_axes",
+    "per_rank",
+    "reshard",
+    "shard",
+    "simulate",
+    "spec_of",
+    "unwrap",
+    "visualize",
+]
