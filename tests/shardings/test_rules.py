@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import tree
@@ -34,6 +34,8 @@ def _raw(names, rules):
     return logical_to_spec(names, rules, Mesh(dict.fromkeys(AXES, 2)))
 
 
+# Pure Python and microseconds per case: many examples, so that contested axes come up often.
+@settings(max_examples=200)
 @given(cases())
 def test_flax_semantics(case):
     rules, names, _ = case
@@ -66,6 +68,7 @@ def test_flax_semantics(case):
                 assert any(set(axes_of(t)) & set(raw[e]) for e in blockers), (d, i, table, names, raw)
 
 
+@settings(max_examples=100)
 @given(cases())
 def test_size1_and_absent_axes_dropped(case):
     rules, names, mesh = case

@@ -1,0 +1,144 @@
+"""The active mesh and activation rules, and ``constrain``: ``with_sharding_constraint`` for activations.
+
+Model code calls ``constrain(x, ("batch", "seq", "embed"))`` at the points where an activation's
+layout matters. Outside :func:`use` that is a no-op returning ``x`` itself, so the same function
+is the single-device reference; inside ``use(mesh, rules)`` it redistributes ``x`` to the spec
+the rules give, and the collectives (all-gather, reduce-scatter, all-reduce) follow from the
+placements before and after, in forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from shardings.errors import sharding_error
+from shardings.lower import to_placements
+from shardings.mesh import Mesh, P, validate_spec
+from shardings.rules import Rules, logical_to_spec
+
+__all__ = ["Context", "constrain", "current", "use"]
+
+
+class Context(NamedTuple):
+    """What :func:`use` activated: the mesh and the rules that resolve activation names."""
+
+    mesh: Mesh
+    rules: Rules
+
+
+# A ContextVar, not a global: each thread (and asyncio task) sees only the contexts it entered.
+_CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar("shardings_context", default=None)
+
+
+def _activation_rules(rules_or_layout: Any) -> Rules:
+    if rules_or_layout is None:
+        return Rules()
+    if isinstance(rules_or_layout, Rules):
+        return rules_or_layout
+    rules = getattr(rules_or_layout, "activation_rules", None)
+    if isinstance(rules, Rules):
+        return rules
+    raise sharding_error(
+        f"expected Rules or a layout with an `activation_rules` attribute, got {type(rules_or_layout).__name__}",
+        fix="pass shardings.Rules(...) or a shardings.layouts.Layout",
+        cls=TypeError,
+    )
+
+
+@contextlib.contextmanager
+def use(mesh: Mesh, rules_or_layout: Rules | Any = None) -> Iterator[Context]:
+    """Activate ``mesh`` and activation rules for :func:`constrain` inside the body.
+
+    Nestable: an inner ``use`` shadows the outer one until it exits. The state lives in a
+    ``ContextVar``, so other threads are unaffected.
+
+    Args:
+        mesh: the mesh activations are laid out on.
+        rules_or_layout: a :class:`Rules` table, or any object with an ``activation_rules``
+            attribute holding one (duck-typed, so a ``Layout`` works without this module
+            importing it). ``None`` means no rules: only ``P`` specs can be constrained to.
+
+    Yields:
+        The active :class:`Context`.
+
+    >>> with simulate(4), use(Mesh(dp=2, tp=2), Rules(batch="dp", embed=None)):
+    ...     h = constrain(h, ("batch", "embed"))
+    """
+    if not isinstance(mesh, Mesh):
+        raise sharding_error(
+            f"expected a shardings.Mesh, got {type(mesh).__name__} {mesh!r}", fix="pass Mesh(...)", cls=TypeError
+        )
+    token = _CURRENT.set(Context(mesh, _activation_rules(rules_or_layout)))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Context | None:
+    """The innermost active :class:`Context` (mesh, rules), or ``None`` outside :func:`use`."""
+    return _CURRENT.get()
+
+
+def _spec_for(x: torch.Tensor, names_or_spec: P | Sequence[str | None], ctx: Context) -> P:
+    shape = tuple(x.shape)
+    if isinstance(names_or_spec, P):
+        return validate_spec(names_or_spec, ctx.mesh, shape)
+    if isinstance(names_or_spec, Sequence) and not isinstance(names_or_spec, str) and len(names_or_spec) != len(shape):
+        raise sharding_error(
+            f"constrain got {len(names_or_spec)} logical names {tuple(names_or_spec)} for a tensor with "
+            f"{len(shape)} dims",
+            fix="give exactly one name (or None) per dim",
+            shape=shape,
+            mesh=ctx.mesh,
+        )
+    return logical_to_spec(names_or_spec, ctx.rules, ctx.mesh)
+
+
+def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch.Tensor:
+    """Lay an activation out as ``names_or_spec`` says: ``jax.lax.with_sharding_constraint``.
+
+    Outside :func:`use` this returns ``x`` itself, unchanged. Inside, the spec is the ``P`` given,
+    or the active rules applied to the logical names (one per dim), and ``x`` is redistributed
+    to it with ``DTensor.redistribute``, which is differentiable: the gradient is redistributed
+    back to ``x``'s layout in backward. A plain tensor (not a DTensor) is taken as the full,
+    replicated value on every rank, so the result is always a DTensor on the active mesh. A
+    ``Partial`` DTensor constrained to a sharded spec is reduce-scattered: this is how sequence
+    parallelism appears after a row-parallel matmul.
+
+    Args:
+        x: the activation (a DTensor on the active mesh, or a plain tensor).
+        names_or_spec: one logical name (or ``None``) per dim of ``x``, or a ``P``.
+
+    Returns:
+        ``x`` itself without an active mesh; otherwise a DTensor with the requested placements.
+
+    Raises:
+        ShardingError: the wrong number of names; a name with no rule; a spec the mesh cannot
+            take; ``x`` lives on another device mesh.
+
+    >>> constrain(x, ("batch", "embed")) is x  # no mesh active
+    True
+    """
+    ctx = current()
+    if ctx is None:
+        return x
+    spec = _spec_for(x, names_or_spec, ctx)
+    device_mesh = ctx.mesh.device_mesh
+    placements = to_placements(spec, ctx.mesh, x.ndim)
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+    elif x.device_mesh != device_mesh:
+        raise sharding_error(
+            f"constrain got a DTensor on {x.device_mesh}, not on the active mesh's device mesh",
+            fix="constrain tensors of the active mesh only, or activate the tensor's mesh with shardings.use",
+            spec=spec,
+            mesh=ctx.mesh,
+        )
+    return x.redistribute(device_mesh, placements)
