@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shardings.errors import sharding_error
 from shardings.lower import to_placements
-from shardings.mesh import Mesh, P, validate_spec
+from shardings.mesh import Mesh, P
 from shardings.rules import Rules, logical_to_spec
 
 __all__ = ["Context", "constrain", "current", "use"]
@@ -89,7 +89,7 @@ def current() -> Context | None:
 def _spec_for(x: torch.Tensor, names_or_spec: P | Sequence[str | None], ctx: Context) -> P:
     shape = tuple(x.shape)
     if isinstance(names_or_spec, P):
-        return validate_spec(names_or_spec, ctx.mesh, shape)
+        return names_or_spec  # checked against the mesh and shape by to_placements
     if isinstance(names_or_spec, Sequence) and not isinstance(names_or_spec, str) and len(names_or_spec) != len(shape):
         raise sharding_error(
             f"constrain got {len(names_or_spec)} logical names {tuple(names_or_spec)} for a tensor with "
@@ -131,7 +131,7 @@ def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch
         return x
     spec = _spec_for(x, names_or_spec, ctx)
     device_mesh = ctx.mesh.device_mesh
-    placements = to_placements(spec, ctx.mesh, x.ndim)
+    placements = to_placements(spec, ctx.mesh, tuple(x.shape))
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
     elif x.device_mesh != device_mesh:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.utils._pytree as _pt
 
-from core import tree
+from core import tree as pytree
 from shardings.errors import sharding_error
 from shardings.mesh import Entry, Mesh, P
 
@@ -180,6 +180,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
 
     Raises:
         ShardingError: a name has no rule at all.
+        TypeError: ``names`` is not a tuple of str/None, or ``rules`` is not a :class:`Rules`.
 
     >>> rules = Rules([("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "tp")])
     >>> logical_to_spec(("embed", "mlp"), rules, Mesh(fsdp=2, tp=2))
@@ -188,6 +189,14 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
     P('fsdp', None)
     """
     names = _check_names(names, path, mesh)
+    if not isinstance(rules, Rules):
+        raise sharding_error(
+            f"expected shardings.Rules, got {type(rules).__name__} {rules!r}",
+            fix="wrap the table: Rules([...]) or Rules(batch='dp', ...)",
+            path=path,
+            mesh=mesh,
+            cls=TypeError,
+        )
     for name in names:
         if name is not None and not rules.targets(name):
             raise sharding_error(
@@ -220,7 +229,7 @@ def logical_to_specs(names_tree: Any, rules: Rules, mesh: Mesh) -> Any:
     >>> logical_to_specs({"w": ("embed", "mlp"), "b": ("mlp",)}, Rules(embed=None, mlp="tp"), Mesh(tp=2))
     {'w': P(None, 'tp'), 'b': P('tp')}
     """
-    return tree.map_with_path(lambda p, n: logical_to_spec(n, rules, mesh, path=p), names_tree, is_leaf=is_names)
+    return pytree.map_with_path(lambda p, n: logical_to_spec(n, rules, mesh, path=p), names_tree, is_leaf=is_names)
 
 
 def _key_str(key: Any) -> str:
@@ -233,16 +242,16 @@ def _key_str(key: Any) -> str:
     return str(key)
 
 
-def path_str(path: tree.KeyPath) -> str:
+def path_str(path: pytree.KeyPath) -> str:
     """The readable path :func:`annotate` matches against: keys joined with ``"/"``.
 
-    >>> path_str(tree.leaves_with_path({"blocks": [{"wq": 0}]})[0][0])
+    >>> path_str(pytree.leaves_with_path({"blocks": [{"wq": 0}]})[0][0])
     'blocks/0/wq'
     """
     return "/".join(_key_str(k) for k in path)
 
 
-def annotate(tree_: Any, patterns: Mapping[str, Sequence[str | None]]) -> Any:
+def annotate(tree: Any, patterns: Mapping[str, Sequence[str | None]]) -> Any:
     """Name the dims of every leaf of a tree you did not write, by regex over its path.
 
     Each leaf's path is its keys joined with ``"/"`` (:func:`path_str`): ``"blocks/0/attn/wq"``
@@ -252,7 +261,7 @@ def annotate(tree_: Any, patterns: Mapping[str, Sequence[str | None]]) -> Any:
     shorter than the leaf's rank are padded with ``None`` (trailing dims replicated), as in ``P``.
 
     Args:
-        tree_: any pytree whose leaves have ``.shape`` (leaves without one count as scalars).
+        tree: any pytree whose leaves have ``.shape`` (leaves without one count as scalars).
         patterns: path regex → logical names for the leaves it matches.
 
     Returns:
@@ -275,7 +284,7 @@ def annotate(tree_: Any, patterns: Mapping[str, Sequence[str | None]]) -> Any:
                 f"pattern {pattern!r} is not a valid regular expression ({e})", fix="fix the regex"
             ) from None
 
-    def one(path: tree.KeyPath, leaf: Any) -> Names:
+    def one(path: pytree.KeyPath, leaf: Any) -> Names:
         where = path_str(path)
         hits = [(p, names) for p, rx, names in compiled if rx.search(where)]
         if not hits:
@@ -301,4 +310,4 @@ def annotate(tree_: Any, patterns: Mapping[str, Sequence[str | None]]) -> Any:
             )
         return names + (None,) * (len(shape) - len(names))
 
-    return tree.map_with_path(one, tree_)
+    return pytree.map_with_path(one, tree)

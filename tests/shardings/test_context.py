@@ -135,6 +135,8 @@ def test_errors_from_rules_and_specs():
             constrain(torch.zeros(4, 6), P("fsdp"))
         with pytest.raises(ShardingError, match=r"shape \(4, 6\).*3 entries"):
             constrain(torch.zeros(4, 6), P("dp", None, None))
+        with pytest.raises(ShardingError, match=r"shape \(3, 6\).*divisible"):  # the full shape reaches lowering
+            constrain(torch.zeros(3, 6), P(("tp", "dp")))
 
 
 def test_dtensor_on_another_mesh():

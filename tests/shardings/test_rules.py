@@ -123,6 +123,11 @@ def test_bad_names(names):
         logical_to_spec(names, Rules(batch="dp"), Mesh(dp=2))
 
 
+def test_rules_must_be_rules():
+    with pytest.raises(TypeError, match=r"expected shardings\.Rules.*Fix:"):
+        logical_to_spec(("batch",), {"batch": "dp"}, Mesh(dp=2))
+
+
 def test_rules_are_immutable_composable_data():
     a = Rules([("batch", ("dp", "fsdp")), ("embed", "fsdp"), ("embed", None)])
     assert Rules({"batch": ["dp", "fsdp"]}) == Rules(batch=("dp", "fsdp")) == Rules([("batch", ("dp", "fsdp"))])
