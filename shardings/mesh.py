@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardings.errors import sharding_error
+from shardings.errors import ShardingError, sharding_error
 
 __all__ = ["Mesh", "NamedSharding", "P", "axis_of_group", "register_group", "validate_spec"]
 
@@ -67,7 +67,7 @@ class Mesh:
                 raise sharding_error(
                     f"mesh axis name {name!r} is not a non-empty identifier string",
                     fix="name axes like 'dp', 'fsdp', 'tp'",
-                    cls=TypeError if not isinstance(name, str) else ValueError,
+                    cls=TypeError if not isinstance(name, str) else ShardingError,
                 )
             if name in seen:
                 raise sharding_error(
@@ -77,7 +77,7 @@ class Mesh:
                 raise sharding_error(
                     f"mesh axis {name!r} has size {size!r}; expected a positive int",
                     fix="use sizes >= 1 (size-1 axes are free)",
-                    cls=TypeError if not isinstance(size, int) else ValueError,
+                    cls=TypeError if isinstance(size, bool) or not isinstance(size, int) else ShardingError,
                 )
             seen.add(name)
         self._shape = dict(pairs)
