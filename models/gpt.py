@@ -1,0 +1,238 @@
+"""A Llama-style decoder as pure functions over a parameter pytree.
+
+Token embedding → ``layers`` × [RMSNorm → causal attention (RoPE, MHA/GQA/MQA) + residual →
+RMSNorm → SwiGLU + residual] → RMSNorm → unembedding (optionally tied to the embedding).
+
+Parameter tree (``axes(cfg)`` gives the logical name of every dim)::
+
+    {"embed": (vocab, dim),
+     "blocks": [{"attn_norm": (dim,),
+                 "wq": (dim, heads, head_dim), "wk": (dim, kv_heads, head_dim), "wv": (dim, kv_heads, head_dim),
+                 "wo": (heads, head_dim, dim),
+                 "mlp_norm": (dim,),
+                 "w_gate": (dim, mlp), "w_up": (dim, mlp), "w_down": (mlp, dim)}, ...],
+     "final_norm": (dim,),
+     "unembed": (dim, vocab)}            # absent when cfg.tie_embeddings
+
+Attention weights are 3-D so each dim has exactly one logical name: ``heads`` can be sharded
+over a tensor-parallel axis while ``head_dim`` stays whole. Checkpoints convert to and from
+Hugging Face ``LlamaForCausalLM`` with :func:`from_hf_llama` / :func:`to_hf_llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import einops
+import torch
+import torch.nn.functional as F
+
+import core
+from models.hf_llama import config_from_hf, from_hf_llama, hf_config, to_hf_llama
+from models.layers import attention, cross_entropy, next_token_batch, rms_norm, rope, swiglu
+from shardings import constrain
+
+__all__ = [
+    "Config",
+    "apply",
+    "axes",
+    "config_from_hf",
+    "example_batch",
+    "from_hf_llama",
+    "hf_config",
+    "init",
+    "loss",
+    "to_hf_llama",
+]
+
+Params = dict[str, Any]
+RESIDUAL = ("batch", "seq", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Hyperparameters of the decoder. Defaults give a tiny model that trains in seconds on CPU.
+
+    ``kv_heads`` and ``head_dim`` default to ``None`` (meaning ``heads`` and ``dim // heads``) rather
+    than to numbers, so ``dataclasses.replace(cfg, heads=8)`` keeps meaning "MHA, derived head_dim";
+    read the resolved values from :attr:`n_kv_heads` and :attr:`d_head`.
+
+    Raises:
+        ValueError: a non-positive size, ``kv_heads`` not dividing ``heads``, ``dim`` not divisible
+            by ``heads`` when ``head_dim`` is derived, or an odd head dim (RoPE rotates pairs).
+    """
+
+    vocab: int = 256  # vocabulary size; 256 = bytes, so synthetic data needs no tokenizer
+    dim: int = 128  # residual stream width ("embed")
+    layers: int = 2  # number of decoder blocks
+    heads: int = 4  # query heads
+    kv_heads: int | None = None  # key/value heads (GQA: divides heads, 1 = MQA); None -> heads (MHA)
+    head_dim: int | None = None  # width of one head; None -> dim // heads (the Llama convention)
+    mlp: int = 384  # SwiGLU hidden width: ~8/3·dim rounded up to a multiple of 128, as in Llama
+    seq_len: int = 64  # sequence length of example_batch (RoPE itself works at any length)
+    rope_theta: float = 10000.0  # RoPE base frequency (Llama 1/2 value; HF LlamaConfig default)
+    norm_eps: float = 1e-5  # RMSNorm epsilon (Llama 2 value)
+    tie_embeddings: bool = False  # reuse the embedding as the unembedding (no "unembed" param)
+    remat: bool = False  # activation checkpointing per block (core.remat): less memory, one more forward
+    init_std: float = 0.02  # std of weight init (GPT-2/Llama); output projections get / sqrt(2·layers)
+    ignore_index: int = -100  # label value excluded from the loss (PyTorch/HF convention)
+
+    def __post_init__(self) -> None:
+        sizes = {"vocab": self.vocab, "dim": self.dim, "layers": self.layers, "heads": self.heads, "mlp": self.mlp}
+        sizes |= {"seq_len": self.seq_len, "kv_heads": self.n_kv_heads}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"gpt.Config: {name}={value} must be >= 1. Fix: pass a positive {name}.")
+        if self.heads % self.n_kv_heads:
+            raise ValueError(
+                f"gpt.Config: kv_heads={self.kv_heads} must divide heads={self.heads} (each group of "
+                f"heads // kv_heads query heads shares one key/value head). Fix: pick kv_heads among "
+                f"{[d for d in range(1, self.heads + 1) if self.heads % d == 0]}."
+            )
+        if self.head_dim is None and self.dim % self.heads:
+            raise ValueError(
+                f"gpt.Config: dim={self.dim} is not divisible by heads={self.heads}, so head_dim cannot be "
+                f"derived. Fix: change dim or heads, or pass head_dim explicitly."
+            )
+        if self.d_head < 2 or self.d_head % 2:
+            raise ValueError(
+                f"gpt.Config: head_dim={self.d_head} must be even and >= 2 (RoPE rotates pairs of dims). "
+                f"Fix: pick an even head_dim (or dim // heads)."
+            )
+
+    @property
+    def n_kv_heads(self) -> int:
+        """The number of key/value heads (``kv_heads``, or ``heads`` when unset)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def d_head(self) -> int:
+        """The width of one attention head (``head_dim``, or ``dim // heads`` when unset)."""
+        return self.dim // self.heads if self.head_dim is None else self.head_dim
+
+
+def init(key: torch.Tensor, cfg: Config) -> Params:
+    """Random parameters: normal(0, init_std) weights, ones for norms.
+
+    Output projections (``wo``, ``w_down``) use ``init_std / sqrt(2 · layers)`` (GPT-2's scaled
+    init: each block adds two residual branches, so the residual variance stays ~constant in depth).
+    Each leaf is one ``core.random`` draw of its full shape times a scalar, so a sharded init can
+    evaluate any block of it alone; keys are split per leaf and folded per layer.
+
+    Args:
+        key: a ``core.random.key``.
+        cfg: the model config.
+
+    Returns:
+        The parameter tree described in the module docstring.
+
+    >>> params = init(core.random.key(0), Config(layers=1))
+    >>> tuple(params["blocks"][0]["wq"].shape)
+    (128, 4, 32)
+    """
+    k_embed, k_unembed, k_blocks = core.random.split(key, 3)
+    params = {
+        "embed": core.random.normal(k_embed, (cfg.vocab, cfg.dim)) * cfg.init_std,
+        "blocks": [_init_block(core.random.fold_in(k_blocks, i), cfg) for i in range(cfg.layers)],
+        "final_norm": torch.ones(cfg.dim),
+    }
+    if not cfg.tie_embeddings:
+        params["unembed"] = core.random.normal(k_unembed, (cfg.dim, cfg.vocab)) * cfg.init_std
+    return params
+
+
+def _init_block(key: torch.Tensor, cfg: Config) -> Params:
+    kq, kk, kv, ko, kg, ku, kd = core.random.split(key, 7)
+    std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.layers) ** 0.5
+    q_shape, kv_shape = (cfg.dim, cfg.heads, cfg.d_head), (cfg.dim, cfg.n_kv_heads, cfg.d_head)
+    return {
+        "attn_norm": torch.ones(cfg.dim),
+        "wq": core.random.normal(kq, q_shape) * std,
+        "wk": core.random.normal(kk, kv_shape) * std,
+        "wv": core.random.normal(kv, kv_shape) * std,
+        "wo": core.random.normal(ko, (cfg.heads, cfg.d_head, cfg.dim)) * out_std,
+        "mlp_norm": torch.ones(cfg.dim),
+        "w_gate": core.random.normal(kg, (cfg.dim, cfg.mlp)) * std,
+        "w_up": core.random.normal(ku, (cfg.dim, cfg.mlp)) * std,
+        "w_down": core.random.normal(kd, (cfg.mlp, cfg.dim)) * out_std,
+    }
+
+
+def axes(cfg: Config) -> Params:
+    """Logical axis names of every parameter dim, in the same tree structure as :func:`init`.
+
+    >>> axes(Config(layers=1))["blocks"][0]["wk"]
+    ('embed', 'kv_heads', 'head_dim')
+    """
+    block = {
+        "attn_norm": ("embed",),
+        "wq": ("embed", "heads", "head_dim"),
+        "wk": ("embed", "kv_heads", "head_dim"),
+        "wv": ("embed", "kv_heads", "head_dim"),
+        "wo": ("heads", "head_dim", "embed"),
+        "mlp_norm": ("embed",),
+        "w_gate": ("embed", "mlp"),
+        "w_up": ("embed", "mlp"),
+        "w_down": ("mlp", "embed"),
+    }
+    tree = {"embed": ("vocab", "embed"), "blocks": [dict(block) for _ in range(cfg.layers)], "final_norm": ("embed",)}
+    if not cfg.tie_embeddings:
+        tree["unembed"] = ("embed", "vocab")
+    return tree
+
+
+def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """One decoder block on the residual stream ``x: (batch, seq, dim)``."""
+    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+    q = einops.einsum(h, p["wq"], "b s e, e h d -> b s h d")  # (batch, seq, heads, head_dim)
+    k = einops.einsum(h, p["wk"], "b s e, e k d -> b s k d")  # (batch, seq, kv_heads, head_dim)
+    v = einops.einsum(h, p["wv"], "b s e, e k d -> b s k d")
+    q = constrain(rope(q, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(rope(k, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    out = attention(q, k, v)  # (batch, seq, heads, head_dim)
+    x = constrain(x + einops.einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
+    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    return constrain(x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), RESIDUAL)
+
+
+def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Next-token logits ``(batch, seq, vocab)`` for int64 ``tokens: (batch, seq)``.
+
+    >>> cfg = Config(layers=1)
+    >>> apply(init(core.random.key(0), cfg), torch.zeros(2, 5, dtype=torch.int64), cfg).shape
+    torch.Size([2, 5, 256])
+    """
+    x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
+    block = functools.partial(_block, cfg=cfg)
+    if cfg.remat:
+        block = core.remat(block)
+    for p in params["blocks"]:
+        x = block(p, x)
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
+    return constrain(x @ unembed, ("batch", "seq", "vocab"))
+
+
+def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
+    """Mean causal-LM cross-entropy of ``batch["labels"]`` (already shifted) given ``batch["tokens"]``.
+
+    >>> cfg = Config(layers=1)
+    >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
+    torch.Size([])
+    """
+    return cross_entropy(apply(params, batch["tokens"], cfg), batch["labels"], cfg.ignore_index)
+
+
+def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:
+    """A deterministic synthetic batch ``{"tokens", "labels"}`` of shape ``(batch_size, cfg.seq_len)``.
+
+    ``cfg.seq_len + 1`` random tokens per row are split into inputs and next-token labels; with
+    ``with_ignored`` a few labels are ``cfg.ignore_index``.
+
+    >>> example_batch(Config(), 2)["tokens"].shape
+    torch.Size([2, 64])
+    """
+    return next_token_batch(cfg.vocab, cfg.seq_len, batch_size, seed, cfg.ignore_index, with_ignored)
