@@ -129,7 +129,9 @@ def global_norm(updates: PyTree) -> torch.Tensor:
     tensor(5.)
     """
     squares = [u.float().square().sum() for u in tree.leaves(updates) if isinstance(u, torch.Tensor)]
-    total = torch.zeros([], dtype=torch.float32) + sum(squares)
+    if not squares:
+        return torch.zeros([], dtype=torch.float32)
+    total = sum(squares[1:], squares[0])
     # A DTensor total is reduced once and brought back as a plain 0-d tensor (no import of
     # torch.distributed here: core stays distribution-free), so it scales plain and DTensor leaves alike.
     if hasattr(total, "full_tensor"):

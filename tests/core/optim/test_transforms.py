@@ -48,6 +48,7 @@ def test_global_norm_ignores_non_tensor_leaves_and_upcasts():
     torch.testing.assert_close(norm, torch.tensor(5.0))
     big = {"h": torch.full((4,), 6e4, dtype=torch.float16)}  # squares overflow float16
     torch.testing.assert_close(optim.global_norm(big), torch.tensor(1.2e5))
+    torch.testing.assert_close(optim.global_norm({"none": None}), torch.tensor(0.0))
 
 
 def test_none_updates_pass_through_and_keep_params():
