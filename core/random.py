@@ -38,6 +38,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from core import deferred
+
 __all__ = ["bits", "fold_in", "key", "normal", "randint", "split", "truncated_normal", "uniform"]
 
 Shape = int | Sequence[int]
@@ -217,7 +219,7 @@ def _stream(
     dims, ranges = _ranges(shape, block)
     out_shape = tuple(stop - start for start, stop in ranges)
     if math.prod(out_shape) == 0:
-        return torch.empty(out_shape, dtype=dtype, device=k.device)
+        return k.new_empty(out_shape, dtype=dtype)  # not torch.empty, which core.deferred intercepts
     *lead, (start, stop) = ranges or [(0, 1)]
     strides = [math.prod(dims[d + 1 :]) for d in range(len(dims))]
     # first: the global index of each row's first element, rows (all but the last dim) in row-major order.
@@ -280,7 +282,17 @@ def _unit(k: Tensor, shape: Shape, block: Block | None, dtype: torch.dtype) -> T
     """Uniform ``[0, 1)`` in float32 (24 bits of one word) or float64 (53 bits of both words)."""
     if dtype == torch.float64:
         return _stream(k, shape, block, 1, _unit53, torch.float64)
-    return (bits(k, shape, block=block) >> 8).to(torch.float32) * 2.0**-24
+    return (_stream(k, shape, block, 2, _words, torch.int64) >> 8).to(torch.float32) * 2.0**-24
+
+
+def _draw(
+    k: Tensor, shape: Shape, block: Block | None, dtype: torch.dtype, compute: Callable[[Block | None], Tensor]
+) -> Tensor:
+    """``compute(block)``; inside ``core.deferred.deferred()`` a full draw becomes a recipe for any block."""
+    if block is None and deferred.active():
+        _check_key(k)
+        return deferred.Deferred(_ranges(shape, None)[0], dtype, compute)
+    return compute(block)
 
 
 def bits(key: Tensor, shape: Shape, *, block: Block | None = None) -> Tensor:
@@ -293,7 +305,8 @@ def bits(key: Tensor, shape: Shape, *, block: Block | None = None) -> Tensor:
             without computing the rest.
 
     Returns:
-        An int64 tensor of the block's shape.
+        An int64 tensor of the block's shape (inside ``core.deferred.deferred()`` with no block: a
+        ``Deferred`` recipe; the same holds for every sampler here).
 
     Raises:
         TypeError/ValueError: a malformed key, shape or block.
@@ -301,7 +314,7 @@ def bits(key: Tensor, shape: Shape, *, block: Block | None = None) -> Tensor:
     >>> bits(key(0), (2, 3)).shape
     torch.Size([2, 3])
     """
-    return _stream(key, shape, block, 2, _words, torch.int64)
+    return _draw(key, shape, block, torch.int64, lambda b: _stream(key, shape, b, 2, _words, torch.int64))
 
 
 def uniform(
@@ -333,9 +346,13 @@ def uniform(
     """
     gen = _compute_dtype(dtype, "uniform")
     minval, maxval = _interval(minval, maxval, "uniform (minval, maxval)")
-    x = (_unit(key, shape, block, gen) * (maxval - minval) + minval).to(dtype)
-    lo = _nearest_inside(minval, maxval, dtype, x.device, strict=False)
-    return x.clamp_(lo, _nearest_inside(maxval, minval, dtype, x.device, strict=True))
+
+    def compute(b: Block | None) -> Tensor:
+        x = (_unit(key, shape, b, gen) * (maxval - minval) + minval).to(dtype)
+        lo = _nearest_inside(minval, maxval, dtype, x.device, strict=False)
+        return x.clamp_(lo, _nearest_inside(maxval, minval, dtype, x.device, strict=True))
+
+    return _draw(key, shape, block, dtype, compute)
 
 
 def normal(key: Tensor, shape: Shape, dtype: torch.dtype = torch.float32, *, block: Block | None = None) -> Tensor:
@@ -357,7 +374,8 @@ def normal(key: Tensor, shape: Shape, dtype: torch.dtype = torch.float32, *, blo
     >>> w = normal(key(0), (1024, 4096), block=(slice(0, 512), slice(None)))  # rank 0 of 2, sharded on dim 0
     """
     gen = _compute_dtype(dtype, "normal")
-    return _stream(key, shape, block, 2, functools.partial(_box_muller, dtype=gen), gen).to(dtype)
+    box_muller = functools.partial(_box_muller, dtype=gen)
+    return _draw(key, shape, block, dtype, lambda b: _stream(key, shape, b, 2, box_muller, gen).to(dtype))
 
 
 def truncated_normal(
@@ -371,8 +389,8 @@ def truncated_normal(
 ) -> Tensor:
     """Standard normal samples conditioned on ``[lower, upper]``, by inverse CDF: ``√2 · erfinv(u)``.
 
-    ``u`` is uniform in ``[erf(lower/√2), erf(upper/√2))`` (exact in distribution, one uniform per
-    sample, so blocks stay addressable). Accurate for moderate bounds: far in the tails the float32
+    ``u`` is uniform in ``[erf(lower/√2), erf(upper/√2))``: exact in distribution and one uniform per
+    sample, so blocks stay addressable. Accurate for moderate bounds: far in the tails the float32
     grid of ``u`` near ±1 is coarse.
 
     Args:
@@ -394,9 +412,13 @@ def truncated_normal(
     gen = _compute_dtype(dtype, "truncated_normal")
     lower, upper = _interval(lower, upper, "truncated_normal (lower, upper)")
     a, b = math.erf(lower / math.sqrt(2)), math.erf(upper / math.sqrt(2))
-    z = (torch.erfinv(_unit(key, shape, block, gen) * (b - a) + a) * math.sqrt(2)).to(dtype)
-    lo = _nearest_inside(lower, upper, dtype, z.device, strict=False)
-    return z.clamp_(lo, _nearest_inside(upper, lower, dtype, z.device, strict=False))
+
+    def compute(blk: Block | None) -> Tensor:
+        z = (torch.erfinv(_unit(key, shape, blk, gen) * (b - a) + a) * math.sqrt(2)).to(dtype)
+        lo = _nearest_inside(lower, upper, dtype, z.device, strict=False)
+        return z.clamp_(lo, _nearest_inside(upper, lower, dtype, z.device, strict=False))
+
+    return _draw(key, shape, block, dtype, compute)
 
 
 def randint(
@@ -436,4 +458,9 @@ def randint(
             f"randint needs 1 <= maxval - minval <= 2**31 within {dtype}, got [{minval}, {maxval})",
             "narrow the range or widen the dtype",
         )
-    return ((bits(key, shape, block=block) * (maxval - minval) >> 32) + minval).to(dtype)
+
+    def compute(b: Block | None) -> Tensor:
+        words = _stream(key, shape, b, 2, _words, torch.int64)
+        return ((words * (maxval - minval) >> 32) + minval).to(dtype)
+
+    return _draw(key, shape, block, dtype, compute)
