@@ -159,7 +159,7 @@ def mesh_of(x: DTensor) -> Mesh:
             f"the DTensor's device mesh {dm} has no axis names",
             fix="build meshes with shardings.Mesh(...) and place tensors with shardings.shard",
         )
-    return Mesh(dict(zip(dm.mesh_dim_names, dm.mesh.shape, strict=True)))
+    return Mesh(dict(zip(dm.mesh_dim_names, dm.shape, strict=True)))
 
 
 def rank_coords(mesh: Mesh) -> list[dict[str, int]]:
