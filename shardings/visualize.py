@@ -82,12 +82,12 @@ def visualize(x: DTensor) -> str:
     >>> with simulate(4):
     ...     _ = visualize(shard(torch.zeros(4, 6), P("dp", "tp"), Mesh(dp=2, tp=2)))
     shape (4, 6), spec P('dp', 'tp'), mesh Mesh(dp=2, tp=2)
-            0:3   3:6
-          +-----+-----+
-      0:2 |  0  |  1  |
-          +-----+-----+
-      2:4 |  2  |  3  |
-          +-----+-----+
+          0:3   3:6
+        +-----+-----+
+    0:2 |  0  |  1  |
+        +-----+-----+
+    2:4 |  2  |  3  |
+        +-----+-----+
     rank 0 (dp=0, tp=0): [0:2, 0:3]
     rank 1 (dp=0, tp=1): [0:2, 3:6]
     rank 2 (dp=1, tp=0): [2:4, 0:3]
