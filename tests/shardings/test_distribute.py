@@ -190,3 +190,24 @@ def test_partial_dtensors():
         shards = per_rank(reduced)
     assert torch.equal(full, want) and torch.equal(scattered, want)
     assert [s.shape for s in shards] == [(1, 3)] * 4
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (P(("tp", "dp")), P(("dp", "tp"))),
+        (P(("dp", "tp")), P(("tp", "dp"))),
+        (P(("tp", "dp")), P("dp", "tp")),
+        (P("tp"), P(None, ("tp", "dp"))),
+        (P(None, ("tp", "dp")), P()),
+    ],
+)
+def test_reshard_from_and_to_out_of_mesh_order_tuples(a, b):
+    mesh = Mesh(dp=2, tp=3)
+    x = arange((6, 12))
+    with simulate(6):
+        d = reshard(shard(x, a, mesh), b)
+        got, shards, full = spec_of(d), per_rank(d), unwrap(gather(d))
+    assert got == b and torch.equal(full, x)
+    for coords, local in zip(rank_coords(mesh), shards):
+        assert torch.equal(local, x[local_block((6, 12), b, mesh, coords)])
