@@ -1,29 +1,47 @@
 """The spec language and its lowering: meshes, specs, logical rules, shard_map, runtimes, accounting."""
 
+from shardings.accounting import Comms, comms, memory
+from shardings.collectives import all_gather, all_to_all, axis_index, axis_size, pmean, ppermute, psum, psum_scatter
 from shardings.context import constrain, current, use
 from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
 from shardings.errors import ShardingError
+from shardings.launch import LaunchError, launch
 from shardings.mesh import Mesh, NamedSharding, P
 from shardings.rules import Rules, annotate, logical_to_spec, logical_to_specs
+from shardings.shard_map import shard_map
 from shardings.simulate import per_rank, simulate, unwrap
 from shardings.visualize import visualize
 
 __all__ = [
+    "Comms",
+    "LaunchError",
     "Mesh",
     "NamedSharding",
     "P",
     "Rules",
     "ShardingError",
+    "all_gather",
+    "all_to_all",
     "annotate",
+    "axis_index",
+    "axis_size",
+    "comms",
     "constrain",
     "current",
     "gather",
+    "launch",
     "logical_to_spec",
     "logical_to_specs",
+    "memory",
     "partial_axes",
     "per_rank",
+    "pmean",
+    "ppermute",
+    "psum",
+    "psum_scatter",
     "reshard",
     "shard",
+    "shard_map",
     "simulate",
     "spec_of",
     "unwrap",
