@@ -62,7 +62,7 @@ def _threefry(k0: Tensor, k1: Tensor, x0: Tensor, x1: Tensor) -> tuple[Tensor, T
     """Threefry-2x32-20 of counter words ``(x0, x1)`` under key words ``(k0, k1)``; all int64 in ``[0, 2**32)``."""
     ks = (k0, k1, k0 ^ k1 ^ _PARITY)
     # Only x1 must stay below 2**32, because it is rotated (shifted right). x0 is only added and xored,
-    # which never move high bits down, so it may carry past bit 31 (it stays below 2**39) until the end.
+    # which never move high bits down, so it may carry past bit 31 (it stays below 2**37) until the end.
     x0 = x0 + ks[0]
     x1 = (x1 + ks[1]) & _MASK
     low = torch.empty_like(x1)
