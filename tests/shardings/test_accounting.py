@@ -143,9 +143,8 @@ def test_c10d_ops_distribute_and_recorded_as():
 
 def test_size_one_axis_moves_nothing():
     mesh = Mesh(dp=1, tp=4)
-    with simulate(4):
-        with comms() as c:
-            _redistribute(torch.ones(4, 4), mesh, "dp", Partial(), Replicate())
+    with simulate(4), comms() as c:
+        _redistribute(torch.ones(4, 4), mesh, "dp", Partial(), Replicate())
     assert c.total_bytes() == 0
 
 
