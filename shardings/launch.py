@@ -1,7 +1,9 @@
 """Real processes: ``launch(fn, world_size)`` runs ``fn`` on N local ranks via torch's elastic launcher.
 
 The engine is ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` runs): one node,
-a c10d rendezvous on ``localhost`` with a port the OS picks, no restarts. Each worker initializes
+a c10d rendezvous on ``localhost`` with a port the OS picks, no restarts. Workers are forked from a
+``forkserver`` that imported torch once, so only the first launch of a process pays for imports
+(seconds); later ones start in well under a second. Each worker initializes
 the default process group with a bounded ``timeout`` (a mismatched collective or a dead peer ends
 in an error, never a hang), runs ``fn(*args)``, and tears the group down again.
 
@@ -18,6 +20,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -153,6 +156,19 @@ def _worker(
 
 
 def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not os.path.exists(main_file):  # `python - < script`: workers re-run __main__
+        raise sharding_error(
+            f"launch() from a script read from {main_file}: worker processes cannot re-import __main__",
+            fix="save the script to a .py file and run `python file.py`",
+            cls=RuntimeError,
+        )
+    if main_file is None and getattr(fn, "__module__", None) == "__main__":
+        raise sharding_error(
+            f"launch({fn.__qualname__}, ...): fn is defined in an interactive session, which workers cannot import",
+            fix="define fn in a .py module and import it",
+            cls=TypeError,
+        )
     for what, value in (("fn", fn), ("args", args)):
         try:
             pickle.dumps(value)
@@ -166,22 +182,25 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 
 
 def _first_error(error_dir: str, failed: ChildFailedError, world_size: int) -> LaunchError:
-    reports = []
+    reports = {}
     for name in os.listdir(error_dir):
         with open(os.path.join(error_dir, name)) as f:
-            reports.append((json.load(f), int(name.removeprefix("rank").removesuffix(".json"))))
-    if not reports:  # died without an exception (signal, os._exit): elastic's summary is all there is
-        rank, failure = failed.get_first_failure()
+            reports[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
+    # The rank elastic saw exit first; peers usually fail later, of its consequences.
+    rank, failure = failed.get_first_failure()
+    if rank not in reports:  # it died without a Python exception (signal, os._exit, segfault)
+        after = f" (then rank {min(reports)} raised {reports[min(reports)]['type']})" if reports else ""
+        signal = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
         return LaunchError(
             f"rank {rank} of {world_size} failed without a Python exception: exit code {failure.exitcode}"
-            f"{f' (signal {failure.signal_name()})' if failure.signal else ''}",
+            f"{signal}{after}",
             rank,
             "ChildFailedError",
             failed.format_msg(),
         )
-    # The root cause is the earliest exception; peers usually fail later, of its consequences.
-    report, rank = min(reports, key=lambda r: (r[0]["time"], r[1]))
-    others = sorted(r for _, r in reports if r != rank)
+    # Several exceptions: the earliest is the root cause (each worker timestamps its own).
+    rank = min(reports, key=lambda r: (reports[r]["time"], r))
+    report, others = reports[rank], sorted(set(reports) - {rank})
     return LaunchError(
         f"rank {rank} of {world_size} raised {report['type']}: {report['message']}"
         f"{f' (ranks {others} failed after it)' if others else ''}\n\n"

@@ -1,5 +1,6 @@
 """launch(): real gloo processes. Each launch costs seconds, so one launched function checks many things."""
 
+import os
 import time
 
 import pytest
@@ -46,6 +47,12 @@ def _fail_on_rank_one():
     dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that died
 
 
+def _exit_without_exception():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(60)  # not in a collective: stopped by the launcher, not failing of rank 1's death first
+
+
 def _mismatched_collective():
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))
@@ -74,6 +81,11 @@ def test_exception_names_rank_and_traceback():
     text = str(err)
     assert "rank 1 of 2 raised ValueError: boom on rank one" in text
     assert "Traceback" in text and "_fail_on_rank_one" in text
+
+
+def test_a_rank_dying_without_exception_is_named():
+    with pytest.raises(LaunchError, match=r"rank 1 of 2 failed without a Python exception: exit code 3"):
+        launch(_exit_without_exception, 2, timeout=30)
 
 
 def test_collective_mismatch_fails_within_timeout():
