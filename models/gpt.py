@@ -205,6 +205,7 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     >>> apply(init(core.random.key(0), cfg), torch.zeros(2, 5, dtype=torch.int64), cfg).shape
     torch.Size([2, 5, 256])
     """
+    tokens = constrain(tokens, ("batch", "seq"))  # a plain batch becomes a DTensor under a mesh
     x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
     block = functools.partial(_block, cfg=cfg)
     if cfg.remat:
@@ -223,7 +224,8 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
     """
-    return cross_entropy(apply(params, batch["tokens"], cfg), batch["labels"], cfg.ignore_index)
+    labels = constrain(batch["labels"], ("batch", "seq"))
+    return cross_entropy(apply(params, batch["tokens"], cfg), labels, cfg.ignore_index)
 
 
 def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:

@@ -103,6 +103,7 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     >>> apply(init(core.random.key(0), Config()), torch.zeros(2, 3, dtype=torch.int64), Config()).shape
     torch.Size([2, 3, 256])
     """
+    tokens = constrain(tokens, ("batch", "seq"))  # a plain batch becomes a DTensor under a mesh
     x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
     for p in params["blocks"]:
         hidden = F.gelu(rms_norm(x, p["norm"], cfg.norm_eps) @ p["w_up"])  # (batch, seq, mlp)
@@ -118,7 +119,8 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), Config()), example_batch(Config(), 2), Config()).shape
     torch.Size([])
     """
-    return cross_entropy(apply(params, batch["tokens"], cfg), batch["labels"], cfg.ignore_index)
+    labels = constrain(batch["labels"], ("batch", "seq"))
+    return cross_entropy(apply(params, batch["tokens"], cfg), labels, cfg.ignore_index)
 
 
 def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:

@@ -110,7 +110,7 @@ def test_conversion_errors_name_the_key_and_fix() -> None:
         gpt.from_hf_llama({k: v for k, v in sd.items() if "layers.1.mlp.up" not in k}, cfg)
     with pytest.raises(ValueError, match=r"q_proj.weight: shape \(16, 16\) .* expected \(32, 16\).*Fix:"):
         gpt.from_hf_llama(sd, dataclasses.replace(cfg, head_dim=16))
-    with pytest.raises(ValueError, match="lm_head.weight' differs.*Fix:"):
+    with pytest.raises(ValueError, match=r"lm_head.weight' differs.*Fix:"):
         gpt.from_hf_llama(sd, dataclasses.replace(cfg, tie_embeddings=True))
-    with pytest.raises(ValueError, match="attention_bias.*Fix:"):
+    with pytest.raises(ValueError, match=r"attention_bias.*Fix:"):
         gpt.config_from_hf(gpt.hf_config(cfg, attention_bias=True))
