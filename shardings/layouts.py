@@ -43,12 +43,12 @@ class Layout:
         name: the preset names it was built from, for display.
     """
 
-    params: Rules = Rules()
-    compute: Rules = Rules()
-    grads: Rules = Rules()
-    opt_state: Rules = Rules()
-    batch: Rules = Rules()
-    activations: Rules = Rules()
+    params: Rules = dataclasses.field(default_factory=Rules)
+    compute: Rules = dataclasses.field(default_factory=Rules)
+    grads: Rules = dataclasses.field(default_factory=Rules)
+    opt_state: Rules = dataclasses.field(default_factory=Rules)
+    batch: Rules = dataclasses.field(default_factory=Rules)
+    activations: Rules = dataclasses.field(default_factory=Rules)
     name: str = ""
 
     def __add__(self, other: Layout) -> Layout:

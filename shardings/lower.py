@@ -19,13 +19,22 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial, _StridedShard
 
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh, P, validate_spec
 
-__all__ = ["from_placements", "local_block", "mesh_of", "rank_coords", "to_placements"]
+__all__ = [
+    "from_placements",
+    "has_masked_partial",
+    "local_block",
+    "match_grad_layout",
+    "mesh_of",
+    "rank_coords",
+    "to_placements",
+]
 
 
 def _split_factors(axes: tuple[str, ...], mesh: Mesh) -> dict[str, int]:
@@ -211,3 +220,31 @@ def local_block(shape: Sequence[int], spec: P | None, mesh: Mesh, coords: dict[s
             lo, hi = _chunk(lo, hi, mesh.shape[name], coords[name])
         block.append(slice(lo, hi))
     return tuple(block)
+
+
+def has_masked_partial(x: Any) -> bool:
+    """Whether ``x`` is the masked partial sum a lookup into a vocab-sharded embedding table yields."""
+    return isinstance(x, DTensor) and any(isinstance(p, _MaskPartial) for p in x.placements)
+
+
+class _MatchGrad(torch.autograd.Function):
+    """Identity whose backward lays the gradient out like the forward value."""
+
+    @staticmethod
+    def forward(ctx: Any, y: DTensor) -> DTensor:
+        ctx.mesh, ctx.placements = y.device_mesh, y.placements
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> DTensor:
+        return grad.redistribute(ctx.mesh, ctx.placements)
+
+
+def match_grad_layout(y: DTensor) -> DTensor:
+    """``y`` itself, but its gradient is redistributed to ``y``'s placements before going further back.
+
+    DTensor cannot turn a ``Partial`` gradient back into the ``_MaskPartial`` that a
+    vocab-sharded embedding lookup produced; a gradient laid out like the redistributed
+    value takes a path it supports.
+    """
+    return _MatchGrad.apply(y)

@@ -20,7 +20,6 @@ each microbatch's mean is weighted by its share of the step's tokens.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 

@@ -19,3 +19,6 @@ settings.register_profile("explore", deadline=None, max_examples=300, suppress_h
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_default_dtype(torch.float32)
+# Two cores shared by pytest-xdist workers (and simulated ranks): one intra-op thread per worker
+# avoids oversubscription, which made DTensor-heavy tests several times slower.
+torch.set_num_threads(1)
