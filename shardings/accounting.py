@@ -23,8 +23,10 @@ send, ppermute   the buffer sent                               B
 
 An uneven ``all_to_all`` counts B minus its smallest block (what a rank sends when it keeps that
 block). A group of one rank moves nothing. What is counted is what ran: e.g. DTensor's
-Shard→Shard is an all_to_all under :func:`~shardings.simulate` but an all_gather on real gloo
-(which has no all-to-all). Collectives inside compiled (``torch.compile``) graphs are not seen.
+Shard→Shard is an all_to_all under :func:`~shardings.simulate` but an all_gather (then a local
+chunk) on real CPU ranks, where DTensor avoids gloo's all-to-all. Collectives inside compiled
+(``torch.compile``) graphs are not seen. Building a ``DeviceMesh`` (first ``mesh.device_mesh``)
+may itself broadcast: build it before entering ``comms()`` to count only your step.
 
 A library op built from other collectives (``shard_map``'s ``ppermute`` over all-to-all or
 send/recv) reports itself once with :func:`recorded_as`, which also hides its insides.
