@@ -108,9 +108,11 @@ def from_hf_llama(state_dict: Mapping[str, torch.Tensor], cfg: Config) -> dict[s
         ValueError: a missing key, a shape that does not match ``cfg``, or an ``lm_head.weight``
             that differs from the embedding while ``cfg.tie_embeddings`` is set.
 
-    >>> from transformers import LlamaForCausalLM
-    >>> hf = LlamaForCausalLM(hf_config(cfg))
-    >>> params = from_hf_llama(hf.state_dict(), cfg)
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1))
+    >>> params = from_hf_llama(hf.state_dict(), config_from_hf(hf.config))
+    >>> tuple(params["blocks"][0]["wq"].shape)
+    (64, 4, 16)
     """
     sizes = _sizes(cfg)
 
@@ -147,8 +149,12 @@ def to_hf_llama(params: Mapping[str, Any], cfg: Config) -> dict[str, torch.Tenso
     Returns:
         A dict of HF key -> tensor in HF's ``(out, in)`` layout.
 
+    >>> import core
+    >>> from models import gpt
+    >>> cfg = gpt.Config(layers=1)
     >>> sd = to_hf_llama(gpt.init(core.random.key(0), cfg), cfg)
-    >>> LlamaForCausalLM(hf_config(cfg)).load_state_dict(sd)
+    >>> tuple(sd["model.layers.0.self_attn.k_proj.weight"].shape)  # (kv_heads·head_dim, dim)
+    (128, 128)
     """
     sizes = _sizes(cfg)
     out = {}
@@ -168,7 +174,9 @@ def config_from_hf(config: Any, **overrides: Any) -> Config:
     Raises:
         ValueError: features the model does not have (biases, a non-SiLU activation, RoPE scaling).
 
-    >>> cfg = config_from_hf(LlamaConfig(hidden_size=64, num_attention_heads=4), layers=1)
+    >>> from transformers import LlamaConfig
+    >>> config_from_hf(LlamaConfig(hidden_size=64, num_attention_heads=4), layers=1).d_head
+    16
     """
     from models.gpt import Config
 
@@ -205,7 +213,9 @@ def config_from_hf(config: Any, **overrides: Any) -> Config:
 def hf_config(cfg: Config, **overrides: Any) -> Any:
     """A ``transformers.LlamaConfig`` for ``cfg`` (eager attention, no biases), for parity and export.
 
-    >>> model = LlamaForCausalLM(hf_config(gpt.Config(layers=1)))
+    >>> from models import gpt
+    >>> hf_config(gpt.Config(layers=1)).num_hidden_layers
+    1
     """
     from transformers import LlamaConfig
 
