@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import core
+import core.deferred
 import models
 import shardings
 from core import tree
@@ -140,6 +141,21 @@ def test_initial_loss_is_log_vocab_and_sgd_lowers_it(tie: bool) -> None:
         params = _sgd(params, grads, lr=1.0)
     assert math.isfinite(losses[0]) and abs(losses[0] - math.log(cfg.vocab)) < 0.05
     assert losses[2] < losses[1] < losses[0]
+
+
+@settings(max_examples=10)
+@given(cfg=configs(), data=st.data())
+def test_init_is_block_evaluable(cfg: gpt.Config, data: st.DataObject) -> None:
+    """Every leaf is a deferred recipe (one draw or constant, then scalar arithmetic), so a sharded
+    init can compute just its block, and any block equals that slice of the single-device init."""
+    params = gpt.init(core.random.key(3), cfg)
+    with core.deferred.deferred():
+        recipes = gpt.init(core.random.key(3), cfg)
+    for p, r in zip(tree.leaves(params), tree.leaves(recipes), strict=True):
+        assert isinstance(r, core.deferred.Deferred) and r.shape == p.shape
+        starts = [data.draw(st.integers(0, n - 1)) for n in p.shape]
+        block = tuple(slice(a, data.draw(st.integers(a + 1, n))) for a, n in zip(starts, p.shape))
+        assert torch.equal(r.block(block), p[block])
 
 
 def test_init_is_deterministic_per_key() -> None:
