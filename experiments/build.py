@@ -1,0 +1,132 @@
+"""From a composed config to the objects a run needs, with every impossible combination caught first.
+
+:func:`build` does all the checking a run can do without a process group — model config, layout
+presets, mesh axes, world size, divisibility of heads/batch/sequence — so a bad combination fails
+at start, with one message, before any process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import core
+import models
+from core import deferred
+from shardings import layouts
+from shardings.initialize import param_specs
+from shardings.layouts import Layout
+from shardings.mesh import Mesh
+from shardings.rules import logical_to_spec
+
+__all__ = ["ConfigError", "Setup", "build", "optimizer"]
+
+_ROLES = ("params", "compute", "grads", "opt_state")
+_RUNTIMES = ("simulate", "multiprocess", "torchrun")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which settings clash and ends with the fix."""
+
+
+class Setup(NamedTuple):
+    """What a run is made of, resolved and checked."""
+
+    model: ModuleType  # the model module (Config, init, axes, loss, ...)
+    model_cfg: Any  # its Config instance
+    layout: Layout
+    mesh: Mesh
+    seq_len: int  # tokens per row of the data
+
+
+def _model(conf: Any) -> tuple[ModuleType, Any]:
+    name = conf.name
+    try:
+        module = importlib.import_module(name) if "." in name else models.get(name)
+    except ValueError as e:
+        missing = " (models.moe arrives with the MoE issue)" if name == "moe" else ""
+        raise ConfigError(f"model: {e}{missing}") from None
+    try:
+        return module, module.Config(**dict(conf.config))
+    except (TypeError, ValueError) as e:
+        fields = [f.name for f in dataclasses.fields(module.Config)]
+        raise ConfigError(f"model.config: {e}. Fix: set only fields of {name}.Config: {fields}.") from None
+
+
+def _world_size(runtime: Any, mesh: Mesh) -> int:
+    if runtime.kind not in _RUNTIMES:
+        raise ConfigError(f"runtime.kind={runtime.kind!r} is unknown. Fix: use one of {_RUNTIMES}.")
+    world = runtime.world_size if runtime.world_size is not None else mesh.size
+    if runtime.kind == "torchrun" and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+    if world != mesh.size:
+        raise ConfigError(
+            f"mesh {mesh!r} has {mesh.size} ranks but the runtime has {world} (runtime={runtime.kind}). "
+            f"Fix: choose mesh sizes that multiply to {world}, or run with {mesh.size} ranks."
+        )
+    return world
+
+
+def _divisible(what: str, size: int, parts: int, setting: str, why: str) -> None:
+    if size % parts:
+        raise ConfigError(
+            f"{what}={size} is not divisible by {parts} ({why}). Fix: set {setting} to a multiple of {parts}."
+        )
+
+
+def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None) -> Setup:
+    """Resolve and check a composed ``train``/``equivalence`` config; raise one :class:`ConfigError` if it cannot run.
+
+    Args:
+        cfg: the composed config (``model``, ``layout``, ``mesh``, optional ``runtime`` and ``data``).
+        batch_size: the global batch (default ``cfg.data.batch_size``).
+        seq_len: tokens per row (default ``cfg.data.seq_len``, else the model config's ``seq_len``).
+
+    Returns:
+        A :class:`Setup`.
+
+    >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh
+    Mesh(dp=4)
+    """
+    module, model_cfg = _model(cfg.model)
+    data = cfg.get("data")
+    batch_size = batch_size if batch_size is not None else data.batch_size
+    seq_len = seq_len or (data.seq_len if data is not None else None) or model_cfg.seq_len
+    accum = cfg.get("accum_steps", 1)
+    try:
+        layout = layouts.get(cfg.layout.name)
+        mesh = Mesh(dict(cfg.mesh.sizes))
+        if "runtime" in cfg:
+            _world_size(cfg.runtime, mesh)
+        layouts.validate(layout, mesh)
+        with deferred.deferred():  # shapes only: nothing is drawn
+            shapes = module.init(core.random.key(0), model_cfg)
+        for role in _ROLES:
+            param_specs(module.axes(model_cfg), shapes, layout, mesh, role=role)
+        batch = logical_to_spec(("batch", "seq"), layout.role("batch"), mesh)
+        acts = logical_to_spec(("batch", "seq", "embed"), layout.role("activations"), mesh)
+    except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
+        raise ConfigError(f"layout={cfg.layout.name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
+    dp = mesh.axis_size(batch.dim_axes()[0])
+    _divisible("batch size", batch_size, dp * accum, "data.batch_size",
+               f"{dp} data-parallel ranks × {accum} accumulation steps")
+    _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
+               f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
+    return Setup(module, model_cfg, layout, mesh, seq_len)
+
+
+def optimizer(conf: Any, steps: int) -> core.optim.GradientTransformation:
+    """The ``optim`` group's optimizer with its warmup-cosine schedule over ``steps``."""
+    warmup = min(conf.warmup_steps, max(steps - 1, 0))
+    schedule = core.optim.warmup_cosine(conf.lr, warmup, max(steps, warmup + 1), end=conf.lr * conf.end_ratio)
+    makers = {
+        "adamw": functools.partial(core.optim.adamw, b1=conf.b1, b2=conf.b2, weight_decay=conf.weight_decay),
+        "sgd": functools.partial(core.optim.sgd, momentum=conf.momentum, weight_decay=conf.weight_decay),
+    }
+    if conf.name not in makers:
+        raise ConfigError(f"optim.name={conf.name!r} is unknown. Fix: use one of {sorted(makers)}.")
+    return makers[conf.name](schedule)

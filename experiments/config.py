@@ -1,0 +1,219 @@
+"""Structured configs for the experiment apps, registered in Hydra's ConfigStore.
+
+Groups (pick one member each on the command line, ``group=member``):
+
+- ``model``: ``mlp``, ``gpt_tiny``, ``gpt_small``, ``moe_tiny`` (needs ``models.moe``).
+- ``layout``: every preset of ``shardings.layouts`` and every valid ``+`` composition of them
+  (``dp``, ``zero3``, ``zero3+tp``, ``zero3+tp+sp``, ``hsdp+tp``, ...).
+- ``mesh``: sizes by axis name, major to minor (``dp4``, ``dp2_tp2``, ``fsdp2_tp2``, ...).
+- ``optim``: ``adamw``, ``sgd``. ``data``: ``stdlib`` (the Python standard library's source, as
+  bytes), ``random`` (uniform bytes: nothing to learn, for throughput). ``runtime``: ``simulate``,
+  ``multiprocess``, ``torchrun``.
+
+The primary configs are ``train`` (``python -m experiments.train``) and ``equivalence``
+(``python -m experiments.equivalence``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from shardings import layouts
+
+__all__ = [
+    "MESHES",
+    "MODELS",
+    "DataConf",
+    "EquivalenceConf",
+    "LayoutConf",
+    "MeshConf",
+    "ModelConf",
+    "OptimConf",
+    "RuntimeConf",
+    "TrainConf",
+    "layout_names",
+    "register",
+]
+
+
+@dataclass
+class ModelConf:
+    """A model: ``name`` is a ``models.get`` name or a dotted module path with the same interface."""
+
+    name: str = "gpt"
+    config: dict[str, Any] = field(default_factory=dict)  # fields of the model module's Config
+
+
+@dataclass
+class LayoutConf:
+    """A layout preset or ``+`` composition, as ``shardings.layouts.get`` takes it."""
+
+    name: str = "dp"
+
+
+@dataclass
+class MeshConf:
+    """Mesh axis sizes by name, major to minor; their product is the world size."""
+
+    sizes: dict[str, int] = field(default_factory=lambda: {"dp": 1})
+
+
+@dataclass
+class OptimConf:
+    """The optimizer and its warmup-cosine learning-rate schedule (cosine over the run's steps)."""
+
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3  # peak learning rate: tiny models on bytes tolerate a large one
+    warmup_steps: int = 5  # linear warmup from 0, then cosine to lr * end_ratio
+    end_ratio: float = 0.1  # final lr as a fraction of the peak
+    weight_decay: float = 0.1  # decoupled (AdamW) / coupled (SGD) decay
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay: 0.95 is the usual LLM choice (faster to adapt)
+    momentum: float = 0.9  # SGD momentum
+    clip_norm: float | None = 1.0  # global gradient-norm clipping; null disables it
+
+
+@dataclass
+class DataConf:
+    """Where tokens come from and how they are batched (byte-level: token = byte, vocab 256)."""
+
+    source: str = "stdlib"  # stdlib | random | a directory of text files
+    max_bytes: int = 4_000_000  # read at most this much of the corpus (keeps start-up fast)
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int | None = None  # sequence length; null -> the model config's seq_len
+    seed: int = 0  # shuffling seed (row order per epoch)
+
+
+@dataclass
+class RuntimeConf:
+    """How ranks run: one process simulating them, real local processes, or torchrun/SLURM's."""
+
+    kind: str = "multiprocess"  # simulate | multiprocess | torchrun
+    world_size: int | None = None  # null -> the mesh size; set it to check a cluster allocation
+    backend: str | None = None  # null -> nccl with CUDA, else gloo (multiprocess / torchrun)
+    timeout_s: float = 300.0  # a collective that cannot complete raises after this long
+
+
+# `_self_` first: the group members override the dataclass fields' placeholder defaults.
+_TRAIN_DEFAULTS = [
+    "_self_",
+    {"model": "gpt_tiny"},
+    {"layout": "zero3+tp"},
+    {"mesh": "dp2_tp2"},
+    {"optim": "adamw"},
+    {"data": "stdlib"},
+    {"runtime": "multiprocess"},
+]
+
+
+@dataclass
+class TrainConf:
+    """``python -m experiments.train``: a small gpt on the stdlib corpus, zero3+tp on 4 real ranks."""
+
+    defaults: list[Any] = field(default_factory=lambda: list(_TRAIN_DEFAULTS))
+    model: ModelConf = field(default_factory=ModelConf)
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    mesh: MeshConf = field(default_factory=MeshConf)
+    optim: OptimConf = field(default_factory=OptimConf)
+    data: DataConf = field(default_factory=DataConf)
+    runtime: RuntimeConf = field(default_factory=RuntimeConf)
+    steps: int = 120  # optimizer steps
+    accum_steps: int = 1  # microbatches per step
+    seed: int = 0  # parameter init key
+    progress: bool = True  # show a progress bar (rank 0)
+
+
+@dataclass
+class EquivalenceConf:
+    """``python -m experiments.equivalence``: one layout vs the single-device reference, on simulated ranks."""
+
+    defaults: list[Any] = field(
+        default_factory=lambda: ["_self_", {"model": "mlp"}, {"layout": "zero3"}, {"mesh": "dp2"}, {"optim": "adamw"}]
+    )
+    model: ModelConf = field(default_factory=ModelConf)
+    layout: LayoutConf = field(default_factory=LayoutConf)
+    mesh: MeshConf = field(default_factory=MeshConf)
+    optim: OptimConf = field(default_factory=OptimConf)
+    steps: int = 3  # optimizer steps compared
+    batch_size: int = 8  # rows of model.example_batch
+    accum_steps: int = 1  # microbatches per step on the sharded side
+    seed: int = 0  # init key and batch seed
+
+
+# Members whose config values differ from the module's Config defaults; the defaults are filled in
+# when registering, so `model.config.heads=8` overrides without a `+`.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mlp": ("mlp", {}),
+    "gpt_tiny": ("gpt", {"dim": 64, "layers": 2, "heads": 4, "mlp": 192, "seq_len": 64}),  # ~0.1M params
+    "gpt_small": ("gpt", {"dim": 128, "layers": 4, "heads": 8, "kv_heads": 4, "mlp": 384, "seq_len": 128}),
+    "moe_tiny": ("moe", {}),
+}
+
+MESHES: dict[str, dict[str, int]] = {
+    "single": {"dp": 1},
+    "dp2": {"dp": 2},
+    "dp4": {"dp": 4},
+    "tp2": {"tp": 2},
+    "tp4": {"tp": 4},
+    "fsdp4": {"fsdp": 4},
+    "dp2_tp2": {"dp": 2, "tp": 2},
+    "fsdp2_tp2": {"fsdp": 2, "tp": 2},
+    "dp2_fsdp2": {"dp": 2, "fsdp": 2},
+    "dp2_fsdp2_tp2": {"dp": 2, "fsdp": 2, "tp": 2},
+}
+
+_DATA = {"stdlib": DataConf(), "random": DataConf(source="random")}
+_OPTIM = {"adamw": OptimConf(), "sgd": OptimConf(name="sgd", lr=0.1, weight_decay=0.0)}
+_RUNTIMES = {k: RuntimeConf(kind=k) for k in ("simulate", "multiprocess", "torchrun")}
+
+
+def layout_names() -> list[str]:
+    """Every preset and every composition ``layouts.get`` accepts, canonically ordered, aliases included."""
+    presets = [n for n in layouts.names() if not _is_alias(n)]
+    found: dict[str, None] = {}
+    for k in range(1, len(presets) + 1):
+        for combo in itertools.combinations(presets, k):
+            try:
+                found[layouts.get(combo).name] = None
+            except ValueError:
+                continue
+    return list(found) + [n for n in layouts.names() if n not in presets]
+
+
+def _is_alias(name: str) -> bool:
+    try:
+        return layouts.get(name).name != name
+    except ValueError:  # a preset that only composes (sp needs tp)
+        return False
+
+
+def _model_config(module_name: str, values: dict[str, Any]) -> dict[str, Any]:
+    import models
+
+    try:
+        config_cls = models.get(module_name).Config
+    except ValueError:  # not there yet (moe): the error comes when the member is used
+        return dict(values)
+    return {f.name: getattr(config_cls(), f.name) for f in dataclasses.fields(config_cls)} | values
+
+
+def register() -> ConfigStore:
+    """Register every group member and both primary configs (idempotent)."""
+    cs = ConfigStore.instance()
+    for name, (module, values) in MODELS.items():
+        cs.store(group="model", name=name, node=ModelConf(name=module, config=_model_config(module, values)))
+    for name in layout_names():
+        cs.store(group="layout", name=name, node=LayoutConf(name=name))
+    for name, sizes in MESHES.items():
+        cs.store(group="mesh", name=name, node=MeshConf(sizes=dict(sizes)))
+    for group, members in (("optim", _OPTIM), ("data", _DATA), ("runtime", _RUNTIMES)):
+        for name, node in members.items():
+            cs.store(group=group, name=name, node=node)
+    cs.store(name="train", node=TrainConf)
+    cs.store(name="equivalence", node=EquivalenceConf)
+    return cs
