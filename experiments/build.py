@@ -119,14 +119,14 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     return Setup(module, model_cfg, layout, mesh, seq_len)
 
 
-def optimizer(conf: Any, steps: int) -> core.optim.GradientTransformation:
-    """The ``optim`` group's optimizer with its warmup-cosine schedule over ``steps``."""
+def optimizer(conf: Any, steps: int, schedule: bool = True) -> core.optim.GradientTransformation:
+    """The ``optim`` group's optimizer with its warmup-cosine schedule over ``steps`` (or a constant ``lr``)."""
     warmup = min(conf.warmup_steps, max(steps - 1, 0))
-    schedule = core.optim.warmup_cosine(conf.lr, warmup, max(steps, warmup + 1), end=conf.lr * conf.end_ratio)
+    lr = core.optim.warmup_cosine(conf.lr, warmup, max(steps, warmup + 1), end=conf.lr * conf.end_ratio)
     makers = {
         "adamw": functools.partial(core.optim.adamw, b1=conf.b1, b2=conf.b2, weight_decay=conf.weight_decay),
         "sgd": functools.partial(core.optim.sgd, momentum=conf.momentum, weight_decay=conf.weight_decay),
     }
     if conf.name not in makers:
         raise ConfigError(f"optim.name={conf.name!r} is unknown. Fix: use one of {sorted(makers)}.")
-    return makers[conf.name](schedule)
+    return makers[conf.name](lr if schedule else conf.lr)

@@ -1,0 +1,141 @@
+"""``python -m experiments.report <multirun dir> [--out DIR]``: a sweep's runs side by side.
+
+Finds every run (a folder with ``metrics.jsonl`` and ``summary.json``) under the directory and
+writes, into ``--out`` (default: the directory itself):
+
+- ``report.md`` and ``report.csv``: one row per run — its overrides, layout, mesh, steps, final
+  loss, tokens/s, comm bytes per step by collective kind, memory per rank (params, grads, optimizer
+  state, total);
+- ``loss.png`` (loss curves overlaid), ``memory.png`` (stacked memory per rank per run) and
+  ``comm.png`` (comm bytes per step by kind per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt
+
+__all__ = ["collect", "main", "write_report"]
+
+_MEMORY = ("params", "grads", "opt_state")
+
+
+def _overrides(run: Path) -> list[str]:
+    path = run / ".hydra" / "overrides.yaml"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [ln.strip().removeprefix("- ").strip("'\"") for ln in lines if ln.strip()]
+
+
+def _labels(runs: list[Path]) -> list[str]:
+    """Each run's overrides that not every run shares (what the sweep varied), else its folder name."""
+    overrides = [_overrides(r) for r in runs]
+    common = set.intersection(*map(set, overrides)) if len(runs) > 1 else set()
+    return [" ".join(o for o in ov if o not in common) or r.name for r, ov in zip(runs, overrides)]
+
+
+def collect(root: str | Path) -> list[dict[str, Any]]:
+    """The runs under ``root``, in Hydra's job order: label, summary and per-step records each."""
+    paths = sorted(Path(root).rglob("summary.json"), key=lambda p: [int(s) if s.isdigit() else s for s in p.parts])
+    dirs = [p.parent for p in paths]
+    return [
+        {"label": label, "dir": str(run), "summary": json.loads((run / "summary.json").read_text()),
+         "records": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]}
+        for run, label in zip(dirs, _labels(dirs))
+    ]
+
+
+def _rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    kinds = sorted({k for r in runs for k in r["summary"]["comm_bytes_by_kind"]})
+    header = ["run", "layout", "mesh", "steps", "final_loss", "tokens_per_s", *[f"comm_{k}" for k in kinds],
+              "comm_total", *[f"mem_{m}" for m in _MEMORY], "mem_total"]
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        mesh = ",".join(f"{a}={n}" for a, n in s["mesh"].items())
+        comm = [round(s["comm_bytes_by_kind"].get(k, 0)) for k in kinds]
+        rows.append([r["label"], s["layout"], mesh, s["steps"], round(s["final_loss"], 4), round(s["tokens_per_s"], 1),
+                     *comm, round(s["comm_bytes_per_step"]), *[s["memory"][m] for m in _MEMORY], s["memory_per_rank"]])
+    return header, rows
+
+
+def _markdown(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(f"{v:,}" if isinstance(v, int) else str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bars(path: Path, labels: list[str], series: dict[str, list[float]], title: str) -> None:
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(labels)), 4))
+    bottom = [0.0] * len(labels)
+    for name, values in series.items():
+        ax.bar(labels, [v / 2**20 for v in values], bottom=bottom, label=name)
+        bottom = [b + v / 2**20 for b, v in zip(bottom, values)]
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(title)
+    ax.legend()
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(runs: list[dict[str, Any]], out: str | Path) -> list[Path]:
+    """Write report.md, report.csv, loss.png, memory.png and comm.png into ``out``; return their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    header, rows = _rows(runs)
+    with open(out / "report.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    (out / "report.md").write_text(
+        f"# Sweep report: {len(runs)} runs\n\nComm is bytes sent per rank per step (mean over steps); memory is "
+        f"bytes held per rank after the last step.\n\n{_markdown(header, rows)}\n\n"
+        "![loss](loss.png)\n\n![memory](memory.png)\n\n![comm](comm.png)\n"
+    )
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        ax.plot([x["step"] for x in r["records"]], [x["loss"] for x in r["records"]], label=r["label"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "loss.png")
+    plt.close(fig)
+    labels = [r["label"] for r in runs]
+    _bars(out / "memory.png", labels, {m: [r["summary"]["memory"][m] for r in runs] for m in _MEMORY},
+          "memory per rank")
+    kinds = sorted({k for r in runs for k in r["summary"]["comm_bytes_by_kind"]})
+    _bars(out / "comm.png", labels, {k: [r["summary"]["comm_bytes_by_kind"].get(k, 0) for r in runs] for k in kinds},
+          "comm per step per rank")
+    return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (1 when the directory holds no runs)."""
+    parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.splitlines()[0])
+    parser.add_argument("root", help="a multirun (or run) directory written by experiments.train")
+    parser.add_argument("--out", default=None, help="where to write the report (default: the directory itself)")
+    args = parser.parse_args(argv)
+    runs = collect(args.root)
+    if not runs:
+        print(f"error: no runs (summary.json + metrics.jsonl) under {args.root}. Fix: pass the directory "
+              "a `python -m experiments.train -m ...` sweep printed.", file=sys.stderr)
+        return 1
+    paths = write_report(runs, args.out or args.root)
+    print(_markdown(*_rows(runs)))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
