@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test lint clean
+.PHONY: install test lint clean train
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The default experiment: gpt_tiny on the stdlib's bytes, zero3+tp on 4 gloo processes (ARGS= for overrides).
+train: install
+	$(BIN)/python -m experiments.train $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache outputs multirun
