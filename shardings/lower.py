@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial, _StridedShard
 
 from shardings.errors import sharding_error
-from shardings.mesh import Mesh, P, validate_spec
+from shardings.mesh import Mesh, P, mesh_of_device_mesh, validate_spec
 
 __all__ = [
     "from_placements",
@@ -34,12 +34,13 @@ __all__ = [
     "mesh_of",
     "rank_coords",
     "to_placements",
+    "without_size1_axes",
 ]
 
 
 def _split_factors(axes: tuple[str, ...], mesh: Mesh) -> dict[str, int]:
     """For one dim split over ``axes`` (major to minor): each axis's DTensor split factor."""
-    index = {name: i for i, name in enumerate(mesh.axis_names)}
+    index = {name: i for i, name in enumerate(mesh.device_axes)}
     shape = mesh.shape
     return {
         name: math.prod(shape[earlier] for earlier in axes[:k] if index[earlier] > index[name])
@@ -50,7 +51,7 @@ def _split_factors(axes: tuple[str, ...], mesh: Mesh) -> dict[str, int]:
 def to_placements(
     spec: P | None, mesh: Mesh, shape: Sequence[int] | int | None = None, path: Any = None
 ) -> tuple[Placement, ...]:
-    """One placement per mesh axis (mesh order) for ``spec``.
+    """One placement per device-mesh axis (:attr:`Mesh.device_axes`, mesh order) for ``spec``.
 
     Args:
         spec: the partition spec (``None`` means replicated).
@@ -74,8 +75,9 @@ def to_placements(
     """
     spec = validate_spec(spec, mesh, shape, path=path)
     shape = None if isinstance(shape, int) else shape
-    placements: list[Placement] = [Replicate()] * len(mesh.axis_names)
+    placements: list[Placement] = [Replicate()] * len(mesh.device_axes)
     for dim, axes in enumerate(spec.dim_axes()):
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)  # size-1 axes are not in the device mesh
         factors = _split_factors(axes, mesh)
         strided = any(f > 1 for f in factors.values())
         n_chunks = mesh.axis_size(axes)
@@ -91,7 +93,7 @@ def to_placements(
                 shape=shape,
             )
         for name, factor in factors.items():
-            i = mesh.axis_names.index(name)
+            i = mesh.device_axes.index(name)
             placements[i] = Shard(dim) if factor == 1 else _StridedShard(dim, split_factor=factor)
     return tuple(placements)
 
@@ -103,7 +105,7 @@ def _axis_order(dim: int, factors: dict[int, int], mesh: Mesh, placements: Any) 
     preceding (later-in-mesh) axes multiply to its split factor. Size-1 axes carry no layout, so
     where they sit in a tuple cannot be recovered; this puts them as early as their factor allows.
     """
-    sizes = list(mesh.shape.values())
+    sizes = [mesh.shape[n] for n in mesh.device_axes]
     order: list[int] = []
     for m in sorted(factors, reverse=True):
         slot = next((k for k in range(len(order) + 1) if math.prod(sizes[j] for j in order[:k]) == factors[m]), None)
@@ -114,14 +116,23 @@ def _axis_order(dim: int, factors: dict[int, int], mesh: Mesh, placements: Any) 
                 mesh=mesh,
             )
         order.insert(slot, m)
-    return tuple(mesh.axis_names[m] for m in order)
+    return tuple(mesh.device_axes[m] for m in order)
+
+
+def without_size1_axes(spec: P, mesh: Mesh) -> P:
+    """``spec`` without its size-1 axes (normalized): the part of a spec that placements can express.
+
+    >>> without_size1_axes(P(("tp", "dp"), "sp"), Mesh(dp=2, tp=1, sp=1))
+    P('dp')
+    """
+    return P(*(tuple(a for a in axes if mesh.shape[a] > 1) for axes in spec.dim_axes())).normalized()
 
 
 def from_placements(placements: Sequence[Placement], mesh: Mesh) -> tuple[P, dict[str, str]]:
     """Invert :func:`to_placements`: the normalized ``P`` and the pending-reduction (``Partial``) axes.
 
     Args:
-        placements: one DTensor placement per mesh axis.
+        placements: one DTensor placement per device-mesh axis (:attr:`Mesh.device_axes`).
         mesh: the mesh the placements refer to.
 
     Returns:
@@ -136,7 +147,7 @@ def from_placements(placements: Sequence[Placement], mesh: Mesh) -> tuple[P, dic
     """
     factors: dict[int, dict[int, int]] = {}  # tensor dim -> mesh dim -> split factor
     partial: dict[str, str] = {}
-    for m, (name, p) in enumerate(zip(mesh.axis_names, placements, strict=True)):
+    for m, (name, p) in enumerate(zip(mesh.device_axes, placements, strict=True)):
         if isinstance(p, _StridedShard):
             factors.setdefault(p.dim, {})[m] = int(p.split_factor)
         elif isinstance(p, Shard):
@@ -163,6 +174,9 @@ def mesh_of(x: DTensor) -> Mesh:
         ValueError: the device mesh has no axis names (it was not built by ``Mesh``).
     """
     dm = x.device_mesh
+    known = mesh_of_device_mesh(dm)
+    if known is not None:
+        return known
     if dm.mesh_dim_names is None:
         raise sharding_error(
             f"the DTensor's device mesh {dm} has no axis names",

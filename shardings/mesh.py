@@ -22,18 +22,26 @@ Entry = None | str | tuple[str, ...]
 
 # DeviceMeshes built for the running process group; cleared when a runtime tears its group down.
 _DEVICE_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+# id(DeviceMesh) -> the Mesh it was built for (which also knows the size-1 axes the DeviceMesh lacks).
+_MESHES: dict[int, Mesh] = {}
 # Process-group name -> mesh axis label ("tp", or "dp+tp" for a flattened group), for accounting.
 _GROUP_AXES: dict[str, str] = {}
 
 
 def _clear_device_meshes() -> None:
     _DEVICE_MESHES.clear()
+    _MESHES.clear()
     _GROUP_AXES.clear()
 
 
 def register_group(group_name: str, axis_label: str) -> None:
     """Record which mesh axis (or ``"a+b"`` for a flattened tuple) a process group spans."""
     _GROUP_AXES[group_name] = axis_label
+
+
+def mesh_of_device_mesh(device_mesh: DeviceMesh) -> Mesh | None:
+    """The ``Mesh`` a device mesh was built for (``None`` if ``Mesh.device_mesh`` did not build it)."""
+    return _MESHES.get(id(device_mesh))
 
 
 def axis_of_group(group_name: str) -> str | None:
@@ -104,8 +112,17 @@ class Mesh:
         return math.prod(self._shape[n] for n in names)
 
     @property
+    def device_axes(self) -> tuple[str, ...]:
+        """The axes the torch ``DeviceMesh`` has: those of size > 1 (or the first axis, if all are 1).
+
+        Size-1 axes are free: they shard nothing, so they get no device-mesh dim, no process group,
+        and cost DTensor's sharding propagation nothing (its work grows fast with mesh dims).
+        """
+        return tuple(n for n, size in self._shape.items() if size > 1) or self.axis_names[:1]
+
+    @property
     def device_mesh(self) -> DeviceMesh:
-        """The torch ``DeviceMesh`` for the running process group (built once per group)."""
+        """The torch ``DeviceMesh`` (over :attr:`device_axes`) for the running process group, built once."""
         if not dist.is_initialized():
             raise sharding_error(
                 f"{self!r} needs {self.size} ranks but no process group is running",
@@ -122,10 +139,12 @@ class Mesh:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         key = (device_type, tuple(self._shape.items()))
         if key not in _DEVICE_MESHES:
-            dm = init_device_mesh(device_type, tuple(self._shape.values()), mesh_dim_names=self.axis_names)
-            for name in self.axis_names:
+            axes = self.device_axes
+            dm = init_device_mesh(device_type, tuple(self._shape[n] for n in axes), mesh_dim_names=axes)
+            for name in axes:
                 register_group(dm.get_group(name).group_name, name)
             _DEVICE_MESHES[key] = dm
+            _MESHES[id(dm)] = self
         return _DEVICE_MESHES[key]
 
     def __repr__(self) -> str:

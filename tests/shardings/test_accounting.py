@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import core
-from shardings import Mesh, simulate
+from shardings import Mesh, P, reshard, shard, simulate
 from shardings.accounting import comms, memory, recorded_as
 
 MESHES = {"dp2_tp2": Mesh(dp=2, tp=2), "dp4": Mesh(dp=4)}
@@ -143,9 +143,12 @@ def test_c10d_ops_distribute_and_recorded_as():
 
 def test_size_one_axis_moves_nothing():
     mesh = Mesh(dp=1, tp=4)
-    with simulate(4), comms() as c:
-        _redistribute(torch.ones(4, 4), mesh, "dp", Partial(), Replicate())
-    assert c.total_bytes() == 0
+    assert mesh.device_axes == ("tp",)  # a size-1 axis has no device-mesh dim, hence no group
+    with simulate(4):
+        x = shard(torch.ones(4, 4), P("dp", "tp"), mesh)
+        with comms() as c:
+            reshard(x, P(None, "tp"))
+    assert c.total_bytes() == 0 and c.rows() == []
 
 
 def test_comms_outside_simulate_is_a_clear_error():

@@ -7,19 +7,10 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from shardings import Mesh, P, ShardingError, per_rank, shard, simulate
-from shardings.lower import from_placements, local_block, mesh_of, rank_coords, to_placements
+from shardings.lower import from_placements, local_block, mesh_of, rank_coords, to_placements, without_size1_axes
 from shardings.testing import meshes, specs
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
-
-
-def size1_out_of_order(spec: P, mesh: Mesh) -> bool:
-    """A tuple listing a size-1 axis out of mesh order: its place is not recoverable from placements."""
-    index = mesh.axis_names.index
-    return any(
-        len(axes) > 1 and 1 in (mesh.shape[a] for a in axes) and list(axes) != sorted(axes, key=index)
-        for axes in spec.dim_axes()
-    )
 
 
 def test_to_placements_examples():
@@ -60,7 +51,14 @@ def test_out_of_order_tuple_on_uneven_dim_is_rejected():
 
 def test_size1_axis_out_of_order_needs_no_stride():
     mesh = Mesh(dp=3, tp=1)
-    assert to_placements(P(("tp", "dp")), mesh, (7,)) == (Shard(0), Shard(0))
+    assert mesh.device_axes == ("dp",)  # size-1 axes get no device-mesh dim
+    assert to_placements(P(("tp", "dp")), mesh, (7,)) == (Shard(0),)
+
+
+def test_all_size1_mesh_keeps_one_device_axis():
+    mesh = Mesh(dp=1, tp=1)
+    assert mesh.device_axes == ("dp",)
+    assert to_placements(P("tp", "dp"), mesh, (2, 2)) == (Replicate(),)
 
 
 def test_to_placements_rejects_bad_specs():
@@ -81,8 +79,7 @@ def test_from_placements_inverts_to_placements(mesh, shape, data):
     back, partial = from_placements(placements, mesh)
     assert partial == {}
     assert to_placements(back, mesh, shape) == placements
-    if not size1_out_of_order(spec, mesh):
-        assert back == spec.normalized()
+    assert back == without_size1_axes(spec, mesh)  # size-1 axes have no device-mesh dim
 
 
 def test_from_placements_partial_and_order():
