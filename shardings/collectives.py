@@ -112,14 +112,15 @@ def _resolve(axis_name: AxisName, op: str) -> _Axis:
         )
     size = mesh.axis_size(names)
     in_mesh_order = tuple(sorted(names, key=mesh.axis_names.index))
-    dm = mesh.device_mesh
-    if size == 1:  # nothing to communicate: collectives short-circuit and never touch a group
+    # Size-1 axes change no group (and DeviceMesh cannot always slice them): leave them out.
+    spanned = tuple(n for n in in_mesh_order if mesh.shape[n] > 1)
+    if not spanned:  # nothing to communicate: collectives short-circuit and never touch a group
         group = ""
-    elif len(in_mesh_order) == 1:
-        group = dm.get_group(names[0]).group_name
+    elif len(spanned) == 1:
+        group = mesh.device_mesh.get_group(spanned[0]).group_name
     else:
-        group = dm[in_mesh_order]._flatten().get_group().group_name  # cached by DeviceMesh
-        register_group(group, "+".join(in_mesh_order))
+        group = mesh.device_mesh[spanned]._flatten().get_group().group_name  # cached by DeviceMesh
+        register_group(group, "+".join(spanned))
     order = None
     if names != in_mesh_order:
         sizes = [mesh.shape[n] for n in in_mesh_order]
