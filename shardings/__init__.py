@@ -8,6 +8,7 @@ from shardings.errors import ShardingError
 from shardings.launch import LaunchError, launch
 from shardings.mesh import Mesh, NamedSharding, P
 from shardings.rules import Rules, annotate, logical_to_spec, logical_to_specs
+from shardings.shard_map import shard_map
 from shardings.simulate import per_rank, simulate, unwrap
 from shardings.visualize import visualize
 
@@ -40,6 +41,7 @@ __all__ = [
     "psum_scatter",
     "reshard",
     "shard",
+    "shard_map",
     "simulate",
     "spec_of",
     "unwrap",
