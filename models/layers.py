@@ -14,10 +14,10 @@ so converted checkpoints match its logits.
 
 from __future__ import annotations
 
-import einops
 import torch
 import torch.nn.functional as F
 
+from shardings import attention as layout_attention
 from shardings import constrain
 
 __all__ = [
@@ -79,10 +79,10 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal multi-head attention with grouped K/V (MHA, GQA and MQA).
+    """Causal multi-head attention with grouped K/V (MHA, GQA and MQA), laid out by the active layout.
 
-    Written with explicit einsums and a float32 masked softmax (not ``scaled_dot_product_attention``)
-    so the same code runs on DTensors whose heads are sharded.
+    :func:`shardings.attention`: the reference einsum attention with a float32 masked softmax
+    (runs on DTensors whose heads are sharded), or ring attention when the layout shards ``seq`` (cp).
 
     Args:
         q: ``(batch, seq, heads, head_dim)``.
@@ -96,19 +96,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     >>> attention(q, kv, kv).shape
     torch.Size([1, 5, 4, 8])
     """
-    groups = q.shape[2] // k.shape[2]
-    # GQA: query head h reads kv head h // groups (HF repeat_kv order: kv-major).
-    k = einops.repeat(k, "b t k d -> b t (k g) d", g=groups)  # (batch, seq, heads, head_dim)
-    v = einops.repeat(v, "b t k d -> b t (k g) d", g=groups)
-    k = constrain(k, ("batch", "seq", "heads", "head_dim"))
-    v = constrain(v, ("batch", "seq", "heads", "head_dim"))
-    scores = einops.einsum(q, k, "b s h d, b t h d -> b h s t") * (q.shape[-1] ** -0.5)
-    seq = q.shape[1]
-    pos = arange_like(scores, seq)
-    causal = pos[:, None] >= pos[None, :]  # (seq_q, seq_k): query s sees keys t <= s
-    scores = torch.where(causal, scores.float(), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (batch, heads, seq_q, seq_k)
-    return einops.einsum(probs, v, "b h s t, b t h d -> b s h d")
+    return layout_attention(q, k, v, causal=True)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

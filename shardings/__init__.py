@@ -7,6 +7,7 @@ from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
 from shardings.errors import ShardingError
 from shardings.launch import LaunchError, launch
 from shardings.mesh import Mesh, NamedSharding, P
+from shardings.ring_attention import attention
 from shardings.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.shard_map import shard_map
 from shardings.simulate import per_rank, simulate, unwrap
@@ -23,6 +24,7 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "annotate",
+    "attention",
     "axis_index",
     "axis_size",
     "comms",

@@ -177,3 +177,6 @@ def validate(layout: Layout, mesh: Mesh) -> None:
                     fix=f"add the axis to the mesh (e.g. Mesh({alternatives[0]}=2, ...)) or drop {p!r}",
                     mesh=mesh,
                 )
+
+
+import shardings.layouts_cp_ep  # noqa: E402, F401  (registers the cp, cp_allgather and ep presets)
