@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import rank_map
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode, rank_map
 from torch.distributed.tensor import DTensor
 
 from core import deferred, tree
@@ -15,6 +15,7 @@ from shardings.distribute import shard
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh, P
 from shardings.rules import is_names, logical_to_spec
+from shardings.simulate import unwrap
 
 __all__ = ["coords_of_rank", "init", "param_specs"]
 
@@ -51,6 +52,14 @@ def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str 
         )
     specs = []
     for (path, leaf), names in zip(leaves, axes_leaves):
+        if not hasattr(leaf, "shape"):
+            raise sharding_error(
+                f"this parameter leaf is a {type(leaf).__name__}, not a tensor",
+                fix="make every parameter a tensor (core.random draws or torch.zeros/ones/full)",
+                path=path,
+                mesh=mesh,
+                cls=TypeError,
+            )
         shape = tuple(leaf.shape)
         if len(names) != len(shape):
             raise sharding_error(
@@ -119,8 +128,10 @@ def init(
     """
     layout = layouts.get(layout)
     layouts.validate(layout, mesh)
-    with deferred.deferred():
-        recipes = init_fn(key, cfg)
+    # Recipes are built from a plain key: under simulate a key made there is a LocalTensor, and every
+    # block drawn from it would then be computed once per simulated rank (each rank doing all ranks' work).
+    with maybe_disable_local_tensor_mode(), deferred.deferred():
+        recipes = init_fn(unwrap(key), cfg)
     specs = param_specs(axes, recipes, layout, mesh)
     params = tree.map_with_path(lambda path, r, s: _place(r, s, mesh, path), recipes, specs)
     # Remembered so train_step can plan every role without being handed the axes again.
