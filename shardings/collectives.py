@@ -90,6 +90,13 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
 
 def _resolve(axis_name: AxisName, op: str) -> _Axis:
     if not _meshes():
+        if torch._C._current_graph_task_id() != -1:  # recomputed in backward by activation checkpointing
+            raise sharding_error(
+                f"{op}({axis_name!r}) was recomputed during backward, outside shard_map: core.remat inside "
+                "shard_map's f replays f's pieces where axis names are unbound",
+                fix="apply core.remat to the whole shard_map-ed function instead: remat(shard_map(f, ...))",
+                cls=RuntimeError,
+            )
         raise sharding_error(
             f"{op}({axis_name!r}) called outside shard_map; collectives need the mesh that names the axis",
             fix=f"call {op} inside f of shardings.shard_map(f, mesh, in_specs, out_specs)",
@@ -428,7 +435,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
         ShardingError: an index out of range, or an index used twice as source or destination.
 
     >>> ring = [(i, (i + 1) % 4) for i in range(4)]
-    >>> shard_map(lambda b: ppermute(b, "cp", ring), Mesh(cp=4), P("cp"), P("cp"))(x)  # == x.roll(1)
+    >>> shard_map(lambda b: ppermute(b, "cp", ring), Mesh(cp=4), P("cp"), P("cp"))(x)  # == x.roll(len(x) // 4)
     """
     ax = _resolve(axis_name, "ppermute")
     pairs = tuple((int(s), int(d)) for s, d in perm)

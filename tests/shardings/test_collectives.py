@@ -225,12 +225,14 @@ def test_lowers_to_one_functional_collective_on_a_labelled_group(collective, op)
 
 def test_size_one_axes_are_free():
     mesh = Mesh(a=1, b=8)
-    x = rank_map(lambda r: torch.full((2,), float(r)))
+    x = rank_map(lambda r: torch.full((2,), float(r))).requires_grad_(True)
     with bind_mesh(mesh), _SeenOps() as seen:
         y = all_gather(psum(x, "a"), ("a",), tiled=True)
         z = ppermute(all_to_all(y, (), 0, 0, tiled=True), "a", [(0, 0)])
+        (g,) = torch.autograd.grad((z * z).sum(), x)
     assert seen.ops == []
     assert [v.tolist() for v in per_rank(z)] == [v.tolist() for v in per_rank(x)]
+    assert [v.tolist() for v in per_rank(g)] == [(2 * v).tolist() for v in per_rank(x)]
 
 
 def test_collective_outside_shard_map_raises():

@@ -238,3 +238,17 @@ def test_a_tensor_made_outside_simulate_cannot_take_gradients():
     outside = torch.ones(2, requires_grad=True)
     with simulate(2), pytest.raises(TypeError, match=r"at args\[0\].*created outside `simulate` needs gradients"):
         shard_map(lambda t: t, Mesh(dp=2), P(), P())(outside)
+
+
+def test_remat_around_shard_map_and_its_clear_error_inside():
+    mesh = Mesh(tp=2)
+    block = lambda t: torch.sin(psum(t, "tp")) * 2
+    full = torch.linspace(-1, 1, 8).reshape(4, 2).requires_grad_(True)
+    (want,) = torch.autograd.grad((torch.sin(full.reshape(2, 2, 2).sum(0)) * 2).sum(), full)
+    with simulate(mesh.size):
+        x = _everywhere(full.detach()).requires_grad_(True)
+        (g,) = torch.autograd.grad(core.remat(shard_map(block, mesh, P("tp"), P()))(x).full_tensor().sum(), x)
+        _assert_close(g, want, "grad with remat around shard_map")
+        y = shard_map(core.remat(block), mesh, P("tp"), P())(x).full_tensor().sum()
+        with pytest.raises(RuntimeError, match=r"recomputed during backward.*Fix: apply core.remat to the whole"):
+            torch.autograd.grad(y, x)
