@@ -1,16 +1,19 @@
 """The spec language and its lowering: meshes, specs, logical rules, shard_map, runtimes, accounting."""
 
+from shardings import layouts, testing
 from shardings.accounting import Comms, comms, memory
 from shardings.collectives import all_gather, all_to_all, axis_index, axis_size, pmean, ppermute, psum, psum_scatter
 from shardings.context import constrain, current, use
 from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
 from shardings.errors import ShardingError
+from shardings.initialize import init
 from shardings.launch import LaunchError, launch
 from shardings.mesh import Mesh, NamedSharding, P
 from shardings.ring_attention import attention
 from shardings.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.shard_map import shard_map
 from shardings.simulate import per_rank, simulate, unwrap
+from shardings.train_step import TrainStep, train_step
 from shardings.visualize import visualize
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "P",
     "Rules",
     "ShardingError",
+    "TrainStep",
     "all_gather",
     "all_to_all",
     "annotate",
@@ -31,7 +35,9 @@ __all__ = [
     "constrain",
     "current",
     "gather",
+    "init",
     "launch",
+    "layouts",
     "logical_to_spec",
     "logical_to_specs",
     "memory",
@@ -46,6 +52,8 @@ __all__ = [
     "shard_map",
     "simulate",
     "spec_of",
+    "testing",
+    "train_step",
     "unwrap",
     "use",
     "visualize",

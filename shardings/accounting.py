@@ -302,10 +302,15 @@ def _local_parts(x: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
 
 
 def _storage(t: torch.Tensor) -> tuple[Any, int]:
-    storage = t.untyped_storage()
-    if storage.data_ptr() == 0:  # meta/fake tensors have no data to share: count the tensor itself
-        return ("tensor", id(t)), t.numel() * t.element_size()
-    return (t.device, storage.data_ptr()), storage.nbytes()
+    own = ("tensor", id(t)), t.numel() * t.element_size()
+    try:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses (e.g. async collective results)
+        return own
+    if ptr == 0:  # meta/fake tensors have no data to share: count the tensor itself
+        return own
+    return (t.device, ptr), storage.nbytes()
 
 
 def memory(params: Any) -> int:

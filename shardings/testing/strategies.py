@@ -73,3 +73,33 @@ def specs(draw: st.DrawFn, shape: Sequence[int], mesh: Mesh) -> P:
             entries.append(tuple(axes))
     used = max((i + 1 for i, axes in enumerate(dims) if axes), default=0)
     return P(*entries[: draw(st.integers(used, len(shape)))])
+
+
+@st.composite
+def layouts(draw: st.DrawFn, mesh: Mesh | None = None) -> str:
+    """Valid layout compositions (``"zero3+tp+sp"``...), restricted to what ``mesh`` can run when given.
+
+    One data-parallel strategy (or none), optionally ``tp``, and ``sp`` only with ``tp``.
+    """
+    from shardings import layouts as _layouts
+
+    def fits(name: str) -> bool:
+        if mesh is None:
+            return True
+        try:
+            _layouts.validate(_layouts.get(name), mesh)
+        except ValueError:
+            return False
+        return True
+
+    data = [d for d in ("dp", "zero1", "zero2", "zero3", "hsdp") if fits(d)]
+    parts = [draw(st.sampled_from(data))] if data and draw(st.booleans() if fits("tp") else st.just(True)) else []
+    if fits("tp") and (not parts or draw(st.booleans())):
+        parts.append("tp")
+        if draw(st.booleans()):
+            parts.append("sp")
+    if not parts:
+        raise sharding_error(
+            f"no layout preset fits {mesh!r}", fix="give the mesh a data axis ('dp'/'fsdp') or a 'tp' axis", mesh=mesh
+        )
+    return "+".join(parts)
