@@ -185,6 +185,13 @@ def axes(cfg: Config) -> Params:
 
 def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """One decoder block on the residual stream ``x: (batch, seq, dim)``."""
+    x = _attention_residual(p, x, cfg)
+    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    return constrain(x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), RESIDUAL)
+
+
+def _attention_residual(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """``x + attention(rms_norm(x))``: the first half of a block (models.moe reuses it)."""
     h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
     q = einops.einsum(h, p["wq"], "b s e, e h d -> b s h d")  # (batch, seq, heads, head_dim)
     k = einops.einsum(h, p["wk"], "b s e, e k d -> b s k d")  # (batch, seq, kv_heads, head_dim)
@@ -193,9 +200,7 @@ def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     k = constrain(rope(k, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     out = attention(q, k, v)  # (batch, seq, heads, head_dim)
-    x = constrain(x + einops.einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
-    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-    return constrain(x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), RESIDUAL)
+    return constrain(x + einops.einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
