@@ -109,10 +109,12 @@ def _check_sharded_init(model, mesh, layout):
                 assert c.largest < r.numel(), (c, spec)  # a sharded parameter is never materialized whole
 
 
-@settings(max_examples=10)
+@settings(max_examples=8)  # each case is one simulate run (~1 s); the @examples pin the key layouts
 @given(cases())
 @example(("gpt", Mesh(dp=2, tp=2), "zero3+tp+sp"))
 @example(("gpt", Mesh(dp=2, fsdp=2), "hsdp"))
+@example(("gpt", Mesh(dp=2, fsdp=2, tp=2), "zero3+tp"))  # 8 ranks, three axes
+@example(("mlp", Mesh(tp=2), "tp"))
 @example(("mlp", Mesh(dp=8), "zero3"))
 @example(("mlp", Mesh(dp=3, fsdp=2), "zero3"))  # embed 6 over 6 ranks, vocab 13 over 6: uneven
 def test_sharded_init_equals_single_device_init(case):
