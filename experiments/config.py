@@ -60,7 +60,7 @@ class LayoutConf:
 class MeshConf:
     """Mesh axis sizes by name, major to minor; their product is the world size."""
 
-    sizes: dict[str, int] = field(default_factory=lambda: {"dp": 1})
+    sizes: dict[str, int] = field(default_factory=dict)  # filled by the member (a default would merge in)
 
 
 @dataclass
@@ -165,6 +165,8 @@ MESHES: dict[str, dict[str, int]] = {
     "fsdp2_tp2": {"fsdp": 2, "tp": 2},
     "dp2_fsdp2": {"dp": 2, "fsdp": 2},
     "dp2_fsdp2_tp2": {"dp": 2, "fsdp": 2, "tp": 2},
+    "dp2_cp2": {"dp": 2, "cp": 2},  # context parallelism (layout=dp+cp)
+    "dp2_ep2": {"dp": 2, "ep": 2},  # expert parallelism (model=moe_tiny layout=dp+ep)
 }
 
 _DATA = {"stdlib": DataConf(), "random": DataConf(source="random")}

@@ -1,0 +1,104 @@
+"""Every config group member composes and builds; impossible combinations give one clear error."""
+
+
+import pytest
+from hydra.core.config_store import ConfigStore
+
+import models
+from experiments.build import ConfigError, build, optimizer
+from experiments.config import MESHES, MODELS, layout_names, register
+from shardings import layouts
+
+register()
+
+
+def _members(group: str) -> list[str]:
+    return sorted(n.removesuffix(".yaml") for n in ConfigStore.instance().list(group))
+
+
+def test_groups_hold_the_documented_members():
+    assert _members("model") == sorted(MODELS)
+    assert _members("mesh") == sorted(MESHES)
+    assert _members("runtime") == ["multiprocess", "simulate", "torchrun"]
+    assert set(_members("layout")) == set(layout_names())
+    # every preset usable alone (not sp: it needs tp), every alias, and the compositions the README uses
+    alone = set(layouts.names()) - {"sp"}
+    assert alone | {"zero3+tp", "zero3+tp+sp", "hsdp+tp", "dp+tp+sp", "tp+sp"} <= set(_members("layout"))
+
+
+_MOE_AXES_ORDER = pytest.mark.xfail(
+    strict=False,
+    reason="models.moe.axes puts 'router' last in MoE blocks while init puts it before w_gate, so the dict "
+    "treedefs differ and shardings.initialize.param_specs rejects them (owner of models/moe.py to fix)",
+)
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=_MOE_AXES_ORDER) if m == "moe_tiny" else m for m in MODELS])
+def test_model_members(compose_train, model):
+    cfg = compose_train(f"model={model}", "runtime=simulate")
+    if MODELS[model][0] == "moe" and not hasattr(models, "moe"):
+        with pytest.raises(ConfigError, match=r"models.moe arrives with the MoE issue"):
+            build(cfg)
+        return
+    setup = build(cfg)
+    assert setup.model is models.get(MODELS[model][0])
+    assert setup.layout.name == "zero3+tp" and setup.mesh.shape == {"dp": 2, "tp": 2}
+
+
+def test_layout_members(compose_train):
+    # Each member is exactly LayoutConf(name=member): compose the presets alone and a few compositions,
+    # and build every member on a mesh with every axis a preset can need.
+    every_axis = ("mesh=dp2_fsdp2_tp2", "++mesh.sizes.cp=2", "++mesh.sizes.ep=2")
+    names = layout_names()
+    for name in [n for n in names if "+" not in n] + ["zero3+tp", "zero3+tp+sp", "hsdp+tp"]:
+        assert compose_train(f"layout={name}", *every_axis).layout.name == name
+    cfg = compose_train(*every_axis)
+    for name in names:
+        assert ConfigStore.instance().load(f"layout/{name}.yaml").node == {"name": name}
+        cfg.layout.name = name
+        assert build(cfg).layout == layouts.get(name)
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_mesh_members(compose_train, mesh):
+    layout = "dp" if {"dp", "fsdp"} & set(MESHES[mesh]) else "tp"
+    assert build(compose_train(f"mesh={mesh}", f"layout={layout}")).mesh.shape == MESHES[mesh]
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("data", ["stdlib", "random"])
+@pytest.mark.parametrize("runtime", ["simulate", "multiprocess", "torchrun"])
+def test_optim_data_runtime_members(compose_train, optim, data, runtime):
+    cfg = compose_train(f"optim={optim}", f"data={data}", f"runtime={runtime}")
+    build(cfg)
+    assert cfg.runtime.kind == runtime and cfg.data.source == data
+    assert callable(optimizer(cfg.optim, cfg.steps).update)
+
+
+def test_default_is_the_documented_run(compose_train):
+    cfg = compose_train()
+    setup = build(cfg)
+    assert (cfg.model.name, setup.layout.name, setup.mesh.shape) == ("gpt", "zero3+tp", {"dp": 2, "tp": 2})
+    assert (cfg.runtime.kind, cfg.data.source) == ("multiprocess", "stdlib")
+
+
+IMPOSSIBLE = [
+    (["layout=tp", "mesh=dp4"], r"preset 'tp' needs a mesh axis tp"),
+    (["layout=hsdp", "mesh=dp4"], r"preset 'hsdp' needs a mesh axis fsdp"),
+    (["runtime.world_size=8"], r"has 4 ranks but the runtime has 8"),
+    (["model.config.dim=96", "model.config.heads=6", "layout=tp", "mesh=tp4"],
+     r"'heads' has size 6, not divisible by 4"),
+    (["layout=dp", "mesh=dp4", "data.batch_size=6"], r"batch size=6 is not divisible by 4"),
+    (["layout=dp", "mesh=dp4", "accum_steps=3"], r"batch size=16 is not divisible by 12"),
+    (["layout=tp+sp", "mesh=tp4", "data.seq_len=62"], r"seq_len=62 is not divisible by 4"),
+    (["model.config.heads=3"], r"model.config: .*dim=64 is not divisible by heads=3"),
+    (["+model.config.expert_count=4"], r"set only fields of gpt.Config"),
+    (["runtime.kind=mpi"], r"runtime.kind='mpi' is unknown"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), IMPOSSIBLE)
+def test_impossible_combinations_fail_at_build(compose_train, overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        build(compose_train(*overrides))
+    assert "Fix:" in str(info.value)
