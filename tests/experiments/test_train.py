@@ -1,0 +1,61 @@
+"""The train app: short runs in simulate and in real processes learn and leave the documented files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from experiments.train import run
+from tests.experiments.conftest import compose_config
+
+FAST = ["model=mlp", "data.max_bytes=200000", "progress=false", "optim.warmup_steps=0", "optim.lr=1e-2", "steps=6"]
+RECORD_KEYS = {"step", "loss", "grad_norm", "tokens", "seconds", "tokens_per_s", "comm_bytes", "comm", "memory",
+               "memory_per_rank", "data_position"}
+
+
+def _check_run_dir(out: Path, cfg, summary: dict) -> None:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, cfg.steps + 1))
+    assert all(set(r) >= RECORD_KEYS for r in records)
+    assert [r["data_position"] for r in records] == list(range(1, cfg.steps + 1))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3, [r["loss"] for r in records]
+    assert records[0]["tokens"] == cfg.data.batch_size * 64 and records[0]["comm_bytes"] > 0
+    assert set(records[0]["memory"]) == {"params", "grads", "opt_state"}
+    assert OmegaConf.load(out / "config.yaml") == OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert summary["final_loss"] == records[-1]["loss"] and summary["layout"] == cfg.layout.name
+
+
+def test_simulate_run(tmp_path):
+    cfg = compose_config("train", [*FAST, "runtime=simulate", "layout=zero3", "mesh=dp4"])
+    _check_run_dir(tmp_path, cfg, run(cfg, str(tmp_path)))
+
+
+@pytest.mark.multiprocess
+def test_multiprocess_run(tmp_path):
+    cfg = compose_config("train", [*FAST, "runtime=multiprocess", "layout=zero3", "mesh=dp2"])
+    summary = run(cfg, str(tmp_path))
+    _check_run_dir(tmp_path, cfg, summary)
+    assert {r["kind"] for r in json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["comm"]} >= {
+        "all_gather", "reduce_scatter"}
+
+
+def test_impossible_combination_fails_before_any_process(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "layout=tp", "mesh=dp4", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and "needs a mesh axis tp" in proc.stderr and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error: ") == 1
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_torchrun_runtime_outside_torchrun_says_how_to_start_it(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"not started by torchrun.*Fix: start it as `torchrun"):
+        run(compose_config("train", [*FAST, "runtime=torchrun"]), str(tmp_path))
