@@ -2,11 +2,11 @@
 
 from types import ModuleType
 
-from models import gpt, mlp, moe
+from models import gpt, mlp
 
-__all__ = ["get", "gpt", "mlp", "moe"]
+__all__ = ["get", "gpt", "mlp"]
 
-_MODELS = {"gpt": gpt, "mlp": mlp, "moe": moe}
+_MODELS = {"gpt": gpt, "mlp": mlp}
 
 
 def get(name: str) -> ModuleType:
