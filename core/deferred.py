@@ -115,18 +115,33 @@ class Deferred:
             raise TypeError(f"Deferred.to takes a dtype, got {dtype!r}")
         return self._map(lambda t: t.to(dtype), dtype)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes a Deferred lacks: tensor methods such as .reshape or .T.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _not_blockwise(f"Tensor.{name}")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise _not_blockwise("indexing")
+
+    def __matmul__(self, other: Any) -> Any:
+        raise _not_blockwise("matmul")
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", repr(func))
-        raise TypeError(
-            f"deferred init: {name}() was applied to a parameter that is still a recipe (a core.random draw or "
-            "zeros/ones/full). A sharded init computes each parameter block by block, so a parameter must be one "
-            "draw of its full shape, optionally scaled or shifted by Python numbers or cast with .to(dtype). "
-            f"Fix: draw the parameter with its final shape instead of applying {name}() to it."
-        )
+        raise _not_blockwise(getattr(func, "__name__", repr(func)))
 
     def __repr__(self) -> str:
         return f"Deferred(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _not_blockwise(name: str) -> TypeError:
+    return TypeError(
+        f"deferred init: {name}() was applied to a parameter that is still a recipe (a core.random draw or "
+        "zeros/ones/full). A sharded init computes each parameter block by block, so a parameter must be one "
+        "draw of its full shape, optionally scaled or shifted by Python numbers or cast with .to(dtype). "
+        f"Fix: draw the parameter with its final shape instead of applying {name}() to it."
+    )
 
 
 def _shape_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

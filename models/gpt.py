@@ -49,6 +49,7 @@ __all__ = [
 
 Params = dict[str, Any]
 RESIDUAL = ("batch", "seq", "embed")
+BLOCK_INPUT = ("batch", "block_seq", "embed")  # a normalized input to tensor-parallel matmuls (SP gathers it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,13 +187,13 @@ def axes(cfg: Config) -> Params:
 def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """One decoder block on the residual stream ``x: (batch, seq, dim)``."""
     x = _attention_residual(p, x, cfg)
-    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-    return constrain(x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), RESIDUAL)
+    h = constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), BLOCK_INPUT)
+    return x + constrain(swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), RESIDUAL)
 
 
 def _attention_residual(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """``x + attention(rms_norm(x))``: the first half of a block (models.moe reuses it)."""
-    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
+    h = constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), BLOCK_INPUT)
     q = einops.einsum(h, p["wq"], "b s e, e h d -> b s h d")  # (batch, seq, heads, head_dim)
     k = einops.einsum(h, p["wk"], "b s e, e k d -> b s k d")  # (batch, seq, kv_heads, head_dim)
     v = einops.einsum(h, p["wv"], "b s e, e k d -> b s k d")
@@ -200,7 +201,7 @@ def _attention_residual(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor
     k = constrain(rope(k, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     out = attention(q, k, v)  # (batch, seq, heads, head_dim)
-    return constrain(x + einops.einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
+    return x + constrain(einops.einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -217,7 +218,7 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
         block = core.remat(block)
     for p in params["blocks"]:
         x = block(p, x)
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), BLOCK_INPUT)
     unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
     return constrain(x @ unembed, ("batch", "seq", "vocab"))
 

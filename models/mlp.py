@@ -29,6 +29,7 @@ __all__ = ["Config", "apply", "axes", "example_batch", "init", "loss"]
 
 Params = dict[str, Any]
 RESIDUAL = ("batch", "seq", "embed")
+BLOCK_INPUT = ("batch", "block_seq", "embed")  # a normalized input to tensor-parallel matmuls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +107,10 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     tokens = constrain(tokens, ("batch", "seq"))  # a plain batch becomes a DTensor under a mesh
     x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
     for p in params["blocks"]:
-        hidden = F.gelu(rms_norm(x, p["norm"], cfg.norm_eps) @ p["w_up"])  # (batch, seq, mlp)
-        hidden = constrain(hidden, ("batch", "seq", "mlp"))
-        x = constrain(x + hidden @ p["w_down"], RESIDUAL)
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+        h = constrain(rms_norm(x, p["norm"], cfg.norm_eps), BLOCK_INPUT)
+        hidden = constrain(F.gelu(h @ p["w_up"]), ("batch", "seq", "mlp"))  # (batch, seq, mlp)
+        x = x + constrain(hidden @ p["w_down"], RESIDUAL)
+    x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), BLOCK_INPUT)
     return constrain(x @ params["unembed"], ("batch", "seq", "vocab"))
 
 

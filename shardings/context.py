@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardings.errors import sharding_error
-from shardings.lower import has_masked_partial, match_grad_layout, to_placements
+from shardings.lower import constrain_to, to_placements
 from shardings.mesh import Mesh, P
 from shardings.rules import Rules, logical_to_spec
 
@@ -141,5 +141,4 @@ def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch
             spec=spec,
             mesh=ctx.mesh,
         )
-    out = x.redistribute(device_mesh, placements)
-    return match_grad_layout(out) if has_masked_partial(x) else out
+    return constrain_to(x, placements)

@@ -23,7 +23,11 @@ from shardings.rules import Rules
 __all__ = ["DATA_AXES", "LOGICAL_NAMES", "Layout", "get", "names", "register", "validate"]
 
 # Every logical name the models use (DESIGN §4); each role's table ends by replicating them all.
-LOGICAL_NAMES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers")
+# "block_seq" is the sequence dim of a normalized activation entering a tensor-parallel matmul:
+# sequence parallelism shards the residual stream's "seq" but gathers "block_seq".
+LOGICAL_NAMES = (
+    "batch", "seq", "block_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers",
+)
 DATA_AXES = ("dp", "fsdp")
 _REPLICATE_ALL = Rules([(n, None) for n in LOGICAL_NAMES])
 _ROLES = ("params", "compute", "grads", "opt_state", "batch", "activations")

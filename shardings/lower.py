@@ -21,16 +21,15 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh, P, mesh_of_device_mesh, validate_spec
 
 __all__ = [
+    "constrain_to",
     "from_placements",
-    "has_masked_partial",
     "local_block",
-    "match_grad_layout",
     "mesh_of",
     "rank_coords",
     "to_placements",
@@ -236,29 +235,27 @@ def local_block(shape: Sequence[int], spec: P | None, mesh: Mesh, coords: dict[s
     return tuple(block)
 
 
-def has_masked_partial(x: Any) -> bool:
-    """Whether ``x`` is the masked partial sum a lookup into a vocab-sharded embedding table yields."""
-    return isinstance(x, DTensor) and any(isinstance(p, _MaskPartial) for p in x.placements)
+class _Constrain(torch.autograd.Function):
+    """Redistribute forward; in backward, lay the gradient out like the input (``Partial`` → replicated).
 
-
-class _MatchGrad(torch.autograd.Function):
-    """Identity whose backward lays the gradient out like the forward value."""
-
-    @staticmethod
-    def forward(ctx: Any, y: DTensor) -> DTensor:
-        ctx.mesh, ctx.placements = y.device_mesh, y.placements
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> DTensor:
-        return grad.redistribute(ctx.mesh, ctx.placements)
-
-
-def match_grad_layout(y: DTensor) -> DTensor:
-    """``y`` itself, but its gradient is redistributed to ``y``'s placements before going further back.
-
-    DTensor cannot turn a ``Partial`` gradient back into the ``_MaskPartial`` that a
-    vocab-sharded embedding lookup produced; a gradient laid out like the redistributed
-    value takes a path it supports.
+    This is the transpose JAX gives ``with_sharding_constraint``: the cotangent takes the layout
+    of the primal. A ``Partial`` input's cotangent is replicated (the transpose of a sum is a
+    broadcast). It is also what makes Megatron's patterns emerge: a replicated activation entering
+    a column-parallel matmul gets its ``Partial`` gradient all-reduced right there, and a
+    sequence-sharded one gets it reduce-scattered.
     """
-    return _MatchGrad.apply(y)
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        ctx.mesh = x.device_mesh
+        ctx.grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+        return x.redistribute(x.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
+        return grad.redistribute(ctx.mesh, ctx.grad_placements), None
+
+
+def constrain_to(x: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """``x`` redistributed to ``placements``, with the gradient laid out like ``x`` in backward."""
+    return _Constrain.apply(x, tuple(placements))
