@@ -133,8 +133,9 @@ class EquivalenceConf:
     """``python -m experiments.equivalence``: one layout vs the single-device reference, on simulated ranks."""
 
     defaults: list[Any] = field(
-        default_factory=lambda: ["_self_", {"model": "mlp"}, {"layout": "zero3"}, {"mesh": "dp2"}, {"optim": "adamw"}]
-    )
+        default_factory=lambda: ["_self_", {"model": "mlp"}, {"layout": "zero3"}, {"mesh": "dp2"}, {"optim": "sgd"}]
+    )  # SGD: parameter differences stay proportional to gradient differences. Adam divides by sqrt(v), so
+    # fp32 rounding on near-zero gradients (another reduction order) can move a parameter by ~lr.
     model: ModelConf = field(default_factory=ModelConf)
     layout: LayoutConf = field(default_factory=LayoutConf)
     mesh: MeshConf = field(default_factory=MeshConf)
