@@ -142,7 +142,9 @@ def axes(cfg: Config) -> Params:
     """
     tree = gpt.axes(cfg)
     for i, block in enumerate(tree["blocks"]):
-        if cfg.is_moe(i):
+        if cfg.is_moe(i):  # same key order as init (tree structures compare it)
+            for name in ("w_gate", "w_up", "w_down"):
+                del block[name]
             block.update(router=("embed", None), w_gate=EXPERT_IN, w_up=EXPERT_IN, w_down=EXPERT_OUT)
     return tree
 
