@@ -20,6 +20,7 @@ each microbatch's mean is weighted by its share of the step's tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -144,10 +145,11 @@ class TrainStep:
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """``(params, opt_state, metrics)`` after one step on ``batch``."""
+        # Counted: the step's own communication. Metrics (norm, loss, tokens) are reduced after it.
         with accounting.comms() as c:
             loss, grads, tokens = self.grads(params, batch)
-            grad_norm = core.optim.global_norm(grads)
             new_params, new_state = self.apply(params, opt_state, grads)
+        grad_norm = core.optim.global_norm(grads)
         metrics = {
             "loss": _scalar(loss),
             "grad_norm": _scalar(grad_norm),
@@ -174,13 +176,17 @@ class TrainStep:
         return lambda g: g.redistribute(g.device_mesh, placements)
 
     def _grad_bytes(self, params: Any, grads: Any) -> int:
-        # Held gradient memory: full-size unless the grads role shards them (ZeRO-2/3).
-        sizes = [p.shape for p in tree.leaves(params)]
-        return sum(
-            accounting.memory(torch.empty(s, dtype=g.dtype, device="meta")) if pl == pc else accounting.memory(g)
-            for s, g, pl, pc in zip(sizes, tree.leaves(grads), self._plan.placements["grads"],
-                                   self._plan.placements["compute"])
-        )
+        # Gradients held per rank: reduced in backward (a sharded grads role) they take the grads
+        # layout; otherwise backward leaves them whole-per-rank in the compute layout until reduced.
+        plan, total = self._plan, 0
+        reduce_now = self._reduce_in_backward()
+        for i, (p, g) in enumerate(zip(tree.leaves(params), tree.leaves(grads))):
+            gathered = plan.placements["compute"][i] != plan.placements["params"][i]
+            role = "grads" if reduce_now[i] or gathered else "compute"
+            spec = tree.leaves(plan.specs[role], is_leaf=lambda s: isinstance(s, P))[i]
+            shape = [-(-n // self.mesh.axis_size(axes)) for n, axes in zip(p.shape, spec.dim_axes() + ((),) * p.ndim)]
+            total += math.prod(shape) * g.element_size()
+        return total
 
     def _cast_compute(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.precision is None:
