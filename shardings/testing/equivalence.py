@@ -121,6 +121,8 @@ def _rank_values(full_tree: Any) -> list[Any]:
 
 
 def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm):
+    """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
+    optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh)
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
                       clip_norm=clip_norm)
@@ -132,6 +134,31 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         out.append(_rank_values({"loss": loss, "grads": gather(grads), "params": gather(params)}))
     return out
+
+
+def _worker(*args: Any) -> list[Any]:
+    # One real rank: its own full copies of loss/grads/params per step (plain CPU tensors).
+    return [ranks[0] for ranks in _sharded_run(*args)]
+
+
+def _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps,
+                clip_norm):
+    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm)
+    if runtime == "simulate":
+        with simulate(mesh.size):
+            return _sharded_run(*args)
+    if runtime != "multiprocess":
+        raise ValueError(f"check_equivalence: runtime must be 'simulate' or 'multiprocess', got {runtime!r}")
+    if isinstance(optimizer, core.optim.GradientTransformation):
+        raise TypeError(
+            "check_equivalence(runtime='multiprocess') sends the optimizer to other processes, and a "
+            "GradientTransformation holds closures that cannot be pickled. Fix: pass a factory, e.g. "
+            "optimizer=functools.partial(core.optim.adamw, 1e-3)."
+        )
+    from shardings.launch import launch
+
+    per_rank_steps = launch(_worker, mesh.size, *args)
+    return [list(step) for step in zip(*per_rank_steps)]
 
 
 def check_equivalence(
@@ -151,6 +178,7 @@ def check_equivalence(
     loss_tol: Tolerance = LOSS_TOL,
     tree_tol: Tolerance = TREE_TOL,
     raise_on_failure: bool = True,
+    runtime: str = "simulate",
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -166,12 +194,15 @@ def check_equivalence(
         layouts: layouts or preset strings to check.
         mesh: the mesh (simulated with ``mesh.size`` ranks).
         steps: optimizer steps.
-        optimizer: a ``core.optim`` transformation (default ``adamw(1e-3)``).
+        optimizer: a ``core.optim`` transformation, or a picklable factory of one (needed for
+            ``runtime="multiprocess"``; default ``functools.partial(core.optim.adamw, 1e-3)``).
         accum_steps: microbatches per step on the sharded side (the reference takes the whole batch).
         clip_norm: global-norm clipping on both sides.
         seed: the init key's seed.
         loss_tol, tree_tol: tolerances (DESIGN §5 defaults).
         raise_on_failure: raise :class:`EquivalenceError` when any comparison fails.
+        runtime: ``"simulate"`` (ranks in this process) or ``"multiprocess"`` (real processes via
+            ``shardings.launch``, gloo on CPU; every function and config passed must be picklable).
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -179,17 +210,17 @@ def check_equivalence(
     >>> report = check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch,
     ...                            layouts=["dp", "zero3+tp"], mesh=Mesh(dp=2, tp=2))
     """
-    optimizer = optimizer if optimizer is not None else core.optim.adamw(1e-3)
+    optimizer = optimizer if optimizer is not None else functools.partial(core.optim.adamw, 1e-3)
     axes = axes(cfg) if callable(axes) else axes
     loss_fn = functools.partial(loss, cfg=cfg)
     key = core.random.key(seed)
-    ref = _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm)
+    make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
+    ref = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm)
     rows: list[Row] = []
     for layout in layouts:
         layout = get_layout(layout)
-        with simulate(mesh.size):
-            got = _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps,
-                               clip_norm)
+        got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh,
+                          accum_steps, clip_norm)
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
             for quantity, want, tol in (("loss", ref_loss, loss_tol), ("grads", ref_grads, tree_tol),
                                         ("params", ref_params, tree_tol)):

@@ -1,0 +1,233 @@
+"""train_step: every layout computes what one device computes, with the collectives and memory it should."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import core
+import models.gpt as gpt
+import shardings
+from core import tree
+from shardings import Mesh, gather_params, layouts
+from shardings.testing import EquivalenceError, check_equivalence
+from shardings.testing import layouts as layout_strategy
+from shardings.testing import meshes
+
+CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=8)
+
+
+@st.composite
+def cases(draw):
+    """A mesh over dp/fsdp/tp (1-8 ranks), a layout it can run, and a gpt config and batch that fit both."""
+    mesh = draw(meshes(max_ranks=8, max_axes=3, axis_names=("dp", "fsdp", "tp")))
+    layout = draw(layout_strategy(mesh))
+    tp = mesh.shape.get("tp", 1) if "tp" in layout.split("+") else 1
+    data = mesh.size // mesh.shape.get("tp", 1)
+    kv_heads = draw(st.sampled_from([tp, 2 * tp] if tp > 1 else [1, 2, 4]))  # MQA/GQA/MHA where tp allows
+    heads = kv_heads * draw(st.sampled_from([1, 2]))
+    cfg = gpt.Config(
+        vocab=draw(st.integers(17, 40)),  # rarely divisible by tp: uneven vocab shards
+        dim=heads * 4,
+        layers=draw(st.integers(1, 2)),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=4,
+        mlp=draw(st.sampled_from([16, 24])),
+        seq_len=4,
+        tie_embeddings=draw(st.booleans()),
+    )
+    accum = draw(st.sampled_from([1, 2]))
+    batch = gpt.example_batch(cfg, data * accum, seed=draw(st.integers(0, 3)), with_ignored=draw(st.booleans()))
+    return mesh, layout, cfg, batch, accum, draw(st.sampled_from([None, 0.05]))
+
+
+@given(cases())
+@settings(max_examples=8)
+def test_random_layouts_match_the_single_device_reference(case):
+    mesh, layout, cfg, batch, accum, clip = case
+    report = check_equivalence(
+        gpt.init, gpt.loss, gpt.axes, cfg, batch, layouts=[layout], mesh=mesh, steps=3, accum_steps=accum,
+        clip_norm=clip,
+    )
+    assert len(report.rows) == 3 * 3 and report.ok
+
+
+def test_a_rank_dependent_model_fails_equivalence_naming_the_path():
+    def skewed_loss(params, batch, cfg):
+        # A deliberate bug: each data-parallel rank scales the loss by (its index + 1) yet claims
+        # the result is replicated. Rank 0 alone looks right; the other ranks' values do not.
+        loss, ctx = gpt.loss(params, batch, cfg), shardings.current()
+        if ctx is None:
+            return loss
+        scale = functools.partial(lambda x: x * (shardings.axis_index("dp") + 1))
+        return shardings.shard_map(scale, ctx.mesh, in_specs=shardings.P(), out_specs=shardings.P())(loss)
+
+    with pytest.raises(EquivalenceError, match=r"(?s)layout 'dp'.*differ.*worst at .*grads .* FAIL \['"):
+        check_equivalence(gpt.init, skewed_loss, gpt.axes, CFG, gpt.example_batch(CFG, 2), layouts=["dp"],
+                          mesh=Mesh(dp=2), steps=1)
+
+
+# -- collectives: kinds, counts, axes and bytes of one step (DESIGN §4/§6) ----------------------------------
+
+
+def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4):
+    with shardings.simulate(mesh.size):
+        params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.adamw(1e-3), layout=layout,
+                                    mesh=mesh)
+        _, _, metrics = step(params, step.init(params), gpt.example_batch(cfg, batch_size))
+    return {(r["kind"], r["axis"]): (r["count"], r["bytes"]) for r in metrics["comm"]}, metrics
+
+
+def _leaves(cfg=CFG):
+    return tree.leaves(gpt.init(core.random.key(0), cfg))
+
+
+def _ring(kind, n, nbytes):
+    return nbytes * 2 * (n - 1) // n if kind == "all_reduce" else nbytes * (n - 1) // n
+
+
+def test_dp_all_reduces_every_grad_over_dp_only():
+    n, leaves = 4, _leaves()
+    comm, _ = _one_step_comm("dp", Mesh(dp=n))
+    four_p = sum(4 * x.numel() for x in leaves)
+    assert comm == {("all_reduce", "dp"): (len(leaves), _ring("all_reduce", n, four_p))}
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2"])
+def test_zero12_reduce_scatter_grads_and_all_gather_params_same_volume_as_dp(layout):
+    n, leaves = 4, _leaves()
+    comm, _ = _one_step_comm(layout, Mesh(dp=n))
+    four_p = sum(4 * x.numel() for x in leaves)
+    assert comm == {
+        ("reduce_scatter", "dp"): (len(leaves), _ring("reduce_scatter", n, four_p)),
+        ("all_gather", "dp"): (len(leaves), _ring("all_gather", n, four_p)),
+    }
+    assert sum(b for _, b in comm.values()) == _ring("all_reduce", n, four_p)
+
+
+def test_zero3_gathers_forward_regathers_backward_and_reduce_scatters():
+    n, params = 4, gpt.init(core.random.key(0), CFG)
+    comm, _ = _one_step_comm("zero3", Mesh(dp=n))
+    four_p = sum(4 * x.numel() for x in tree.leaves(params))
+    # Backward re-gathers every weight autograd needs; the embedding lookup's backward needs no weight.
+    regathered = four_p - 4 * params["embed"].numel()
+    assert comm == {
+        ("all_gather", "dp"): (2 * len(tree.leaves(params)) - 1, _ring("all_gather", n, four_p + regathered)),
+        ("reduce_scatter", "dp"): (len(tree.leaves(params)), _ring("reduce_scatter", n, four_p)),
+    }
+    total = sum(b for _, b in comm.values())
+    assert total <= 1.5 * _ring("all_reduce", n, four_p)  # DESIGN §6: 1.5× dp (equal when every weight is reused)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_tp_two_all_reduces_per_block_forward_and_two_backward(layers):
+    cfg = dataclasses.replace(CFG, layers=layers)
+    comm, _ = _one_step_comm("tp", Mesh(tp=2), cfg=cfg)
+    bsh = 4 * cfg.seq_len * cfg.dim * 4  # one (batch, seq, embed) fp32 activation
+    # 4 per block, plus the vocab-parallel embedding (forward) and the unembedding's input (backward).
+    assert comm == {("all_reduce", "tp"): (4 * layers + 2, (4 * layers + 2) * _ring("all_reduce", 2, bsh))}
+
+
+def test_sp_turns_tp_all_reduces_into_all_gather_and_reduce_scatter():
+    comm, _ = _one_step_comm("tp+sp", Mesh(tp=2))
+    bsh = 4 * CFG.seq_len * CFG.dim * 4
+    ag_count, ag_bytes = comm[("all_gather", "tp")]
+    rs_count, rs_bytes = comm[("reduce_scatter", "tp")]
+    # Per block: gather before each TP matmul pair, scatter after, mirrored in backward; plus the
+    # final norm's gather (and its backward scatter). The extra scatter is the vocab-sharded
+    # embedding's gradient; the norm weights' gradients are all-reduced (they see seq shards).
+    assert (ag_count, ag_bytes) == (5, 5 * _ring("all_gather", 2, bsh))
+    assert (rs_count, rs_bytes) == (6, 5 * _ring("reduce_scatter", 2, bsh) + _ring("reduce_scatter", 2,
+                                                                                   4 * CFG.vocab * CFG.dim))
+    assert comm[("all_reduce", "tp")] == (3, 3 * _ring("all_reduce", 2, 4 * CFG.dim))
+    assert set(comm) <= {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp"), ("all_to_all", "tp")}
+
+
+# -- memory: persistent bytes per rank (DESIGN §6) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "params", "grads", "opt"),
+    [("dp", 4, 4, 8), ("zero1", 4, 4, 8 / 4), ("zero2", 4, 4 / 4, 8 / 4), ("zero3", 4 / 4, 4 / 4, 8 / 4)],
+)
+def test_persistent_memory_per_rank_matches_zero_stages(layout, params, grads, opt):
+    n_params = sum(x.numel() for x in _leaves())
+    _, metrics = _one_step_comm(layout, Mesh(dp=4))
+    got = metrics["memory"]
+    for role, factor in (("params", params), ("grads", grads), ("opt_state", opt)):
+        assert got[role] == pytest.approx(factor * n_params, rel=0.05), role
+
+
+def _saved_for_backward(layout, mesh, cfg, monkeypatch):
+    """Bytes autograd keeps alive for backward (per rank, max): what the step's saved-tensor hook keeps."""
+    held, pack = [], gather_params._pack
+
+    def recording_pack(t):
+        saved = pack(t)
+        if isinstance(saved, torch.Tensor):  # a _Regather handle holds only a reference to the shard
+            held.append(saved)
+        return saved
+
+    monkeypatch.setattr(gather_params, "_pack", recording_pack)
+    with shardings.simulate(mesh.size):
+        params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.sgd(0.1), layout=layout,
+                                    mesh=mesh)
+        step.grads(params, gpt.example_batch(cfg, 4))
+        return shardings.memory(held)
+
+
+def test_zero3_keeps_no_gathered_weights_for_backward(monkeypatch):
+    cfg = dataclasses.replace(CFG, dim=64, mlp=256, heads=4, kv_heads=4)  # weights dominate activations
+    dp = _saved_for_backward("dp", Mesh(dp=4), cfg, monkeypatch)
+    zero3 = _saved_for_backward("zero3", Mesh(dp=4), cfg, monkeypatch)
+    weights = sum(4 * x.numel() for x in _leaves(cfg))
+    assert zero3 < dp - weights / 2, (dp, zero3, weights)
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+def test_batch_not_divisible_by_data_ranks_times_accumulation_is_a_clear_error():
+    with shardings.simulate(2):
+        mesh = Mesh(dp=2)
+        params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="dp", mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.sgd(0.1), layout="dp",
+                                    mesh=mesh, accum_steps=2)
+        with pytest.raises(ValueError, match=r"\['tokens'\].*batch size 2 is not divisible by 2 data-parallel ranks "
+                                             r"× 2 accumulation steps.*Fix:"):
+            step(params, step.init(params), gpt.example_batch(CFG, 2))
+
+
+def test_layout_needing_an_absent_axis_fails_before_any_work():
+    with pytest.raises(ValueError, match=r"Mesh\(dp=4\).*preset 'tp' needs a mesh axis tp"):
+        shardings.train_step(lambda p, b: 0, core.optim.sgd(0.1), layout="zero3+tp", mesh=Mesh(dp=4))
+
+
+def test_params_without_logical_names_need_axes():
+    with shardings.simulate(2):
+        params = shardings.shard({"w": torch.ones(4)}, shardings.P(), Mesh(dp=2))
+        step = shardings.train_step(lambda p, b: p["w"].sum(), core.optim.sgd(0.1), layout="dp", mesh=Mesh(dp=2))
+        with pytest.raises(TypeError, match=r"pass axes="):
+            step.init(params)
+
+
+# -- real processes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_layouts_on_four_real_gloo_ranks_match_the_reference():
+    report = check_equivalence(
+        gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 4, with_ignored=True),
+        layouts=["dp", "zero3", "tp+sp", "zero3+tp+sp"], mesh=Mesh(dp=2, tp=2), steps=2, runtime="multiprocess",
+    )
+    assert report.ok and {r.layout for r in report.rows} == {"dp", "zero3", "tp+sp", "zero3+tp+sp"}
+
+
+def test_layouts_registry_has_the_documented_presets():
+    assert {"dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp"} <= set(layouts.names())
