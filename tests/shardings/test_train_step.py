@@ -13,9 +13,8 @@ import models.gpt as gpt
 import shardings
 from core import tree
 from shardings import Mesh, gather_params, layouts
-from shardings.testing import EquivalenceError, check_equivalence
+from shardings.testing import EquivalenceError, check_equivalence, meshes
 from shardings.testing import layouts as layout_strategy
-from shardings.testing import meshes
 
 CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=8)
 
