@@ -26,14 +26,7 @@ def test_groups_hold_the_documented_members():
     assert alone | {"zero3+tp", "zero3+tp+sp", "hsdp+tp", "dp+tp+sp", "tp+sp"} <= set(_members("layout"))
 
 
-_MOE_AXES_ORDER = pytest.mark.xfail(
-    strict=False,
-    reason="models.moe.axes puts 'router' last in MoE blocks while init puts it before w_gate, so the dict "
-    "treedefs differ and shardings.initialize.param_specs rejects them (owner of models/moe.py to fix)",
-)
-
-
-@pytest.mark.parametrize("model", [pytest.param(m, marks=_MOE_AXES_ORDER) if m == "moe_tiny" else m for m in MODELS])
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_model_members(compose_train, model):
     cfg = compose_train(f"model={model}", "runtime=simulate")
     if MODELS[model][0] == "moe" and not hasattr(models, "moe"):
