@@ -89,7 +89,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     Returns:
         A :class:`Setup`.
 
-    >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh
+    >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh  # doctest: +SKIP
     Mesh(dp=4)
     """
     module, model_cfg = _model(cfg.model)
