@@ -1,6 +1,6 @@
 """The spec language and its lowering: meshes, specs, logical rules, shard_map, runtimes, accounting."""
 
-from shardings import layouts, testing
+from shardings import checkpoint, layouts, testing
 from shardings.accounting import Comms, comms, memory
 from shardings.collectives import all_gather, all_to_all, axis_index, axis_size, pmean, ppermute, psum, psum_scatter
 from shardings.context import constrain, current, use
@@ -31,6 +31,7 @@ __all__ = [
     "attention",
     "axis_index",
     "axis_size",
+    "checkpoint",
     "comms",
     "constrain",
     "current",
