@@ -351,7 +351,8 @@ def _check_files(folder: str, files: dict[str, dict[str, Any]]) -> None:
     for i, (name, want) in enumerate(sorted(files.items())):
         file = os.path.join(folder, name)
         if not os.path.isfile(file):
-            problems.append(f"{file} is missing (a shard written by rank {name[2:].split('_')[0] or 0})")
+            writer = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+            problems.append(f"{file} is missing (written by rank {writer[1] if writer else 0})")
         elif os.path.getsize(file) != want["bytes"]:
             problems.append(f"{file} has {os.path.getsize(file)} bytes, the manifest says {want['bytes']} (truncated?)")
         elif i % world == rank and _sha256(file) != want["sha256"]:

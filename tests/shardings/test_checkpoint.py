@@ -253,7 +253,7 @@ def test_corrupted_file_is_named(saved, name):
 def test_missing_shard_is_named(saved):
     shard = _shard(saved)
     shard.unlink()
-    with pytest.raises(checkpoint.CheckpointError, match=rf"{shard.name} is missing"):
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{shard.name} is missing \(written by rank 0\)"):
         checkpoint.load(saved, train_state())
 
 
