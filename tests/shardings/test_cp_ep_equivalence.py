@@ -7,11 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate
 
 import core
 import shardings
 from models import gpt, moe
-from shardings import Mesh, gather, launch, layouts
+from shardings import Mesh, comms, gather, launch, layouts
 from shardings.testing.equivalence import TREE_TOL, check_equivalence, compare_trees
 
 GPT = gpt.Config(vocab=32, dim=16, layers=1, heads=4, kv_heads=2, mlp=16, seq_len=8)
@@ -127,3 +128,19 @@ def test_real_processes_dp_cp_and_dp_ep():
             assert losses == pytest.approx(want_losses, rel=1e-5), (layout, rank)
             *_, ok = compare_trees(params, want_params, TREE_TOL)
             assert ok, (layout, rank)
+
+
+def test_step_reduces_cp_replicated_grads_over_cp_and_rings_kv():
+    with shardings.simulate(2):
+        mesh = Mesh(cp=2)
+        params = shardings.init(gpt.init, core.random.key(0), GPT, axes=gpt.axes(GPT), layout="cp", mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=GPT), core.optim.sgd(0.1), layout="cp", mesh=mesh)
+        with comms() as c:
+            _, grads, _ = step.grads(params, gpt.example_batch(GPT, 2))
+    # every grad ends reduced over cp (replicated); DTensor reduces some as Partial grads (all-reduce) and, at
+    # these tiny sizes, gets others by all-gathering the seq-sharded activations first: its cost model picks
+    assert all(g.placements == (Replicate(),) for g in core.tree.leaves(grads))
+    rows = {(r["kind"], r["axis"]): r for r in c.rows()}
+    assert rows["all_reduce", "cp"]["count"] > 0 and {a for _, a in rows} == {"cp"}
+    kv = 2 * 2 * (GPT.seq_len // 2) * GPT.n_kv_heads * GPT.d_head * 4  # one rank's K+V block (batch 2), fp32
+    assert rows["ppermute", "cp"] == {"kind": "ppermute", "axis": "cp", "count": 1 + 3, "bytes": (1 + 3) * kv}
