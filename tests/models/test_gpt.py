@@ -179,7 +179,8 @@ def test_tensor_parallel_matches_single_device() -> None:
     cfg = dataclasses.replace(SMALL, layers=1)
     params, batch = gpt.init(core.random.key(9), cfg), gpt.example_batch(cfg, 4, with_ignored=True)
     ref, ref_grads = core.value_and_grad(gpt.loss)(params, batch, cfg)
-    rules = shardings.Rules(batch=None, seq=None, embed=None, head_dim=None, heads="tp", kv_heads="tp", mlp="tp")
+    rules = shardings.Rules(batch=None, seq=None, block_seq=None, embed=None, head_dim=None, heads="tp", kv_heads="tp")
+    rules += shardings.Rules(mlp="tp")
     rules += shardings.Rules(vocab="tp")
     with shardings.simulate(2):
         mesh = shardings.Mesh(tp=2)

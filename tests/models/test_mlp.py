@@ -114,7 +114,7 @@ def test_tensor_parallel_matches_single_device() -> None:
     """mlp and vocab over tp: the same code on DTensors gives the reference loss and grads."""
     params, batch = mlp.init(core.random.key(6), SMALL), mlp.example_batch(SMALL, 4, with_ignored=True)
     ref, ref_grads = core.value_and_grad(mlp.loss)(params, batch, SMALL)
-    rules = shardings.Rules(batch=None, seq=None, embed=None, mlp="tp", vocab="tp")
+    rules = shardings.Rules(batch=None, seq=None, block_seq=None, embed=None, mlp="tp", vocab="tp")
     with shardings.simulate(2):
         mesh = shardings.Mesh(tp=2)
         sharded = shardings.shard(params, shardings.logical_to_specs(mlp.axes(SMALL), rules, mesh), mesh)
