@@ -43,6 +43,7 @@ __all__ = ["LaunchError", "init_from_env", "launch", "shutdown"]
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PRELOAD = ["torch", "torch.distributed.tensor", "shardings"]
+_DEAD_PEER_GRACE_S = 1.0  # >> elastic's monitor_interval (0.1 s) below
 
 
 class LaunchError(RuntimeError):
@@ -149,6 +150,9 @@ def _worker(
             except BaseException as e:
                 # Report before the group is torn down: peers fail of the teardown, and must come later.
                 _report(e, error_dir)
+                # Then stay alive a moment: elastic names one failed process, the first its poll finds.
+                # A peer killed by a signal (whose death likely caused this error) must be that one.
+                time.sleep(_DEAD_PEER_GRACE_S)
                 raise
     except BaseException as e:
         _report(e, error_dir)

@@ -1,6 +1,7 @@
 """launch(): real gloo processes. Each launch costs seconds, so one launched function checks many things."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -53,6 +54,12 @@ def _exit_without_exception():
     time.sleep(60)  # not in a collective: stopped by the launcher, not failing of rank 1's death first
 
 
+def _sigkill_rank_one():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # rank 0's collective breaks at once: "Connection reset by peer"
+
+
 def _mismatched_collective():
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))
@@ -86,6 +93,15 @@ def test_exception_names_rank_and_traceback():
 def test_a_rank_dying_without_exception_is_named():
     with pytest.raises(LaunchError, match=r"rank 1 of 2 failed without a Python exception: exit code 3"):
         launch(_exit_without_exception, 2, timeout=30)
+
+
+def test_a_sigkilled_rank_is_named_not_the_peer_whose_collective_broke():
+    for _ in range(2):  # the peer's error and the death land in the same second: twice, to catch an order race
+        with pytest.raises(LaunchError) as info:
+            launch(_sigkill_rank_one, 2, timeout=30)
+        assert info.value.rank == 1 and info.value.exc_type == "ChildFailedError"
+        assert "rank 1 of 2 failed without a Python exception: exit code -9 (SIGKILL)" in str(info.value)
+        assert "reset by peer" not in str(info.value).split("(then")[0]
 
 
 def test_collective_mismatch_fails_within_timeout():
