@@ -294,7 +294,12 @@ def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[t
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Next-token logits ``(batch, seq, vocab)`` for int64 ``tokens: (batch, seq)``."""
+    """Next-token logits ``(batch, seq, vocab)`` for int64 ``tokens: (batch, seq)``.
+
+    >>> cfg = Config(layers=2)
+    >>> apply(init(core.random.key(0), cfg), torch.zeros(2, 5, dtype=torch.int64), cfg).shape
+    torch.Size([2, 5, 256])
+    """
     return apply_with_aux(params, tokens, cfg)[0]
 
 

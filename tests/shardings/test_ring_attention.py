@@ -1,11 +1,14 @@
 """shardings.ring_attention: ring and all-gather attention equal the reference (values, grads), their
 collectives, and the zigzag load balance."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import core
 import shardings
 from shardings import Mesh, P, Rules, ShardingError, comms, layouts, per_rank, shard, use
 from shardings.ring_attention import attention, reference_attention, ring_work
@@ -26,11 +29,11 @@ def _reference(q, k, v, cotangent, causal):
     return out.detach(), torch.autograd.grad(out, (q, k, v), cotangent)
 
 
-def _sharded(q, k, v, cotangent, causal, mesh, layout, spec):
+def _sharded(q, k, v, cotangent, causal, mesh, layout, spec, wrap=lambda f: f):
     """attention(...) under ``use(mesh, layout)`` on inputs laid out by ``spec``; full values on every rank."""
     with use(mesh, layout):
         args = [shard(x, spec, mesh).requires_grad_() for x in (q, k, v)]
-        out = attention(*args, causal=causal)
+        out = wrap(functools.partial(attention, causal=causal))(*args)
         grads = torch.autograd.grad(out, args, shard(cotangent, spec, mesh))
     return [per_rank(x.full_tensor()) for x in (out, *grads)]
 
@@ -62,6 +65,14 @@ def test_composes_with_heads_on_tp_and_batch_on_dp(kv_heads):
     with shardings.simulate(8):
         mesh = Mesh(dp=2, cp=2, tp=2)
         got = _sharded(q, k, v, cot, True, mesh, layouts.get("dp+tp+cp"), P("dp", "cp"))
+    _assert_close(got, (want[0], *want[1]))
+
+
+def test_under_remat_the_ring_runs_again_in_backward():
+    q, k, v, cot = _inputs(1, 8, 2, 1)
+    want = _reference(q, k, v, cot, True)
+    with shardings.simulate(2):
+        got = _sharded(q, k, v, cot, True, Mesh(cp=2), layouts.get("cp"), P(None, "cp"), wrap=core.remat)
     _assert_close(got, (want[0], *want[1]))
 
 
