@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 
 import core
 import models
-from core import deferred
+from core import deferred, tree
 from shardings import layouts
 from shardings.initialize import param_specs
 from shardings.layouts import Layout
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
 
-__all__ = ["ConfigError", "Setup", "build", "optimizer"]
+__all__ = ["ConfigError", "Setup", "build", "optimizer", "pretrained"]
 
 _ROLES = ("params", "compute", "grads", "opt_state")
 _RUNTIMES = ("simulate", "multiprocess", "torchrun")
@@ -111,12 +111,67 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         acts = logical_to_spec(("batch", "seq", "embed"), layout.role("activations"), mesh)
     except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
         raise ConfigError(f"layout={cfg.layout.name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
+    _check_checkpointing(cfg.get("checkpoint"))
     dp = mesh.axis_size(batch.dim_axes()[0])
     _divisible("batch size", batch_size, dp * accum, "data.batch_size",
                f"{dp} data-parallel ranks × {accum} accumulation steps")
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
     return Setup(module, model_cfg, layout, mesh, seq_len)
+
+
+def _check_checkpointing(conf: Any) -> None:
+    if conf is None:
+        return
+    if conf.every < 0:
+        raise ConfigError(f"checkpoint.every={conf.every} is negative. Fix: save every N > 0 steps, or 0 for never.")
+    if conf.keep < 1:
+        raise ConfigError(f"checkpoint.keep={conf.keep} keeps nothing. Fix: keep at least 1 checkpoint.")
+
+
+def pretrained(directory: str, setup: Setup) -> Any:
+    """Whole-tensor parameters of ``setup``'s model from a Hugging Face Llama folder (``model.init_from``).
+
+    The folder's params must have the configured model's structure and shapes, and its config the
+    same architecture (a difference in e.g. ``rope_theta`` would silently change the model).
+
+    Raises:
+        ConfigError: not a gpt model, an unreadable folder, a key path or shape that differs from
+            the configured model's, or a differing architecture field.
+
+    >>> params = pretrained("hf/gpt", build(cfg))  # doctest: +SKIP
+    """
+    from experiments.export import from_hf_dir
+    from models import gpt
+
+    where = f"model.init_from={directory!r}"
+    if setup.model is not gpt:
+        raise ConfigError(f"{where}: a Hugging Face Llama folder holds a gpt, not {setup.model.__name__}. "
+                          "Fix: use model=gpt_tiny/gpt_small (or model.name=gpt), or drop model.init_from.")
+    try:
+        params, hf_cfg = from_hf_dir(directory)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: cannot read it ({type(e).__name__}: {e}). "
+                          "Fix: pass a folder written by `python -m experiments.export`.") from None
+    with deferred.deferred():
+        want = setup.model.init(core.random.key(0), setup.model_cfg)  # shapes only
+    got = {tree.keystr(p): x for p, x in tree.leaves_with_path(params)}
+    for path, leaf in tree.leaves_with_path(want):
+        key = tree.keystr(path)
+        if key not in got or tuple(got[key].shape) != tuple(leaf.shape):
+            have = f"has shape {tuple(got[key].shape)}" if key in got else "has no such parameter"
+            raise ConfigError(f"{where}: params{key} {have}, the configured model needs {tuple(leaf.shape)}. "
+                              "Fix: set model.config to the folder's config.json architecture.")
+    extra = sorted(set(got) - {tree.keystr(p) for p, _ in tree.leaves_with_path(want)})
+    if extra:
+        raise ConfigError(f"{where}: params{extra[0]} is not a parameter of the configured model. "
+                          "Fix: set model.config to the folder's config.json architecture.")
+    for name in ("heads", "n_kv_heads", "d_head", "rope_theta", "norm_eps", "tie_embeddings"):
+        theirs, ours = getattr(hf_cfg, name), getattr(setup.model_cfg, name)
+        if theirs != ours:
+            raise ConfigError(f"{where}: its {name} is {theirs!r}, the configured model's is {ours!r}. "
+                              "Fix: set model.config to the folder's config.json architecture.")
+    return params
 
 
 def optimizer(conf: Any, steps: int, schedule: bool = True) -> core.optim.GradientTransformation:

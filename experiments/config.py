@@ -28,6 +28,7 @@ from shardings import layouts
 __all__ = [
     "MESHES",
     "MODELS",
+    "CheckpointConf",
     "DataConf",
     "EquivalenceConf",
     "LayoutConf",
@@ -47,6 +48,7 @@ class ModelConf:
 
     name: str = "gpt"
     config: dict[str, Any] = field(default_factory=dict)  # fields of the model module's Config
+    init_from: str | None = None  # a Hugging Face Llama folder (experiments.export) to start training from
 
 
 @dataclass
@@ -99,6 +101,15 @@ class RuntimeConf:
     timeout_s: float = 300.0  # a collective that cannot complete raises after this long
 
 
+@dataclass
+class CheckpointConf:
+    """Checkpointing and resume: a restarted job with the same ``dir`` resumes from its latest checkpoint."""
+
+    every: int = 0  # save the whole train state every N steps (and at the last step); 0 = off
+    dir: str | None = None  # null -> <run dir>/checkpoints; set it so a restarted job (new run dir) finds it
+    keep: int = 3  # keep the newest k checkpoints
+
+
 # `_self_` first: the group members override the dataclass fields' placeholder defaults.
 _TRAIN_DEFAULTS = [
     "_self_",
@@ -122,6 +133,7 @@ class TrainConf:
     optim: OptimConf = field(default_factory=OptimConf)
     data: DataConf = field(default_factory=DataConf)
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     steps: int = 60  # optimizer steps: enough for the loss to fall from ln(256)≈5.5 to ~3 on 2 cores
     accum_steps: int = 1  # microbatches per step
     seed: int = 0  # parameter init key

@@ -27,13 +27,15 @@ import hydra
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 from tqdm import tqdm
 
 import core
 import shardings
-from experiments.build import ConfigError, build, optimizer
+from experiments.build import ConfigError, build, optimizer, pretrained
 from experiments.config import register
 from experiments.data import DataState, Packed, load_corpus
+from shardings import checkpoint
 from shardings.initialize import init as sharded_init
 from shardings.train_step import train_step
 
@@ -76,8 +78,29 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0  # simulate: the fake group's rank is 0
 
 
+def _train_state(params: Any, opt_state: Any, data: DataState, key: Any, conf: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds. The resolved config is one JSON string, so a run resumed under another
+    layout or mesh (other config keys) still matches the saved structure; the model part is also kept
+    as values, for ``experiments.export``."""
+    model = {"name": conf["model"]["name"], "config": conf["model"]["config"]}
+    return {"params": params, "opt_state": opt_state, "data": {"position": data.position}, "rng": key,
+            "config": {"model": model, "resolved": json.dumps(conf)}}
+
+
+def _earlier_records(out_dir: str, upto: int) -> list[dict[str, Any]]:
+    """``metrics.jsonl``'s records of steps ``<= upto`` (a resumed run drops those after its checkpoint)."""
+    file = Path(out_dir, "metrics.jsonl")
+    if not upto or not file.exists():
+        return []
+    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= upto]
+
+
 def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """One rank's training loop (all ranks run it); rank 0 writes metrics and shows the progress bar.
+
+    With ``checkpoint.every=N`` the whole train state is saved every N steps and at the last one,
+    and a run whose checkpoint folder already holds one resumes from the latest by itself.
 
     Args:
         conf: the resolved config as a plain dict.
@@ -90,37 +113,58 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     setup = build(cfg)
     m, mcfg = setup.model, setup.model_cfg
     axes = m.axes(mcfg)
-    params = sharded_init(m.init, core.random.key(cfg.seed), mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh)
+    key = core.random.key(cfg.seed)
+    params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh)
     step = train_step(functools.partial(m.loss, cfg=mcfg), optimizer(cfg.optim, cfg.steps), layout=setup.layout,
                       mesh=setup.mesh, axes=axes, accum_steps=cfg.accum_steps, clip_norm=cfg.optim.clip_norm)
-    opt_state = step.init(params)
+    ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
+    start = 0
+    if ckpt_dir and checkpoint.latest(ckpt_dir):
+        like = _train_state(params, step.init(params), DataState(0), key, conf)
+        saved, start = checkpoint.load(ckpt_dir, like=like)
+        params, opt_state, data_state = saved["params"], saved["opt_state"], DataState(saved["data"]["position"])
+    else:
+        if cfg.model.init_from:
+            with maybe_disable_local_tensor_mode():  # whole tensors, read once; init shards them
+                whole = pretrained(cfg.model.init_from, setup)
+            params = sharded_init(lambda _key, _cfg: whole, key, mcfg, axes=axes, layout=setup.layout,
+                                  mesh=setup.mesh)
+        opt_state, data_state = step.init(params), DataState(0)
     data = Packed(load_corpus(cfg.data.source, cfg.data.max_bytes, cfg.data.seed), setup.seq_len,
                   cfg.data.batch_size, cfg.data.seed)
-    state, records = DataState(0), []
     main = _is_main()
-    bar = tqdm(total=cfg.steps, desc=setup.layout.name, disable=not (main and cfg.progress), file=sys.stderr)
+    records = _earlier_records(out_dir, start) if main else []
+    bar = tqdm(total=cfg.steps, initial=start, desc=setup.layout.name, disable=not (main and cfg.progress),
+               file=sys.stderr)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(Path(out_dir, "metrics.jsonl"), "w")) if main else None
+        if log is not None:
+            log.writelines(json.dumps(r) + "\n" for r in records)
         stack.callback(bar.close)
-        for i in range(1, cfg.steps + 1):
-            start = time.perf_counter()
-            batch, state = data.next_sharded(state, setup.layout, setup.mesh)
+        for i in range(start + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
             params, opt_state, metrics = step(params, opt_state, batch)
-            records.append(_record(i, metrics, time.perf_counter() - start, state))
+            records.append(_record(i, metrics, time.perf_counter() - t0, data_state))
             if log is not None:
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
+            if ckpt_dir and (i % cfg.checkpoint.every == 0 or i == cfg.steps):
+                state = _train_state(params, opt_state, data_state, key, conf)
+                checkpoint.save(ckpt_dir, state, step=i, keep=cfg.checkpoint.keep)
             r = records[-1]
             bar.set_postfix_str(f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | comm "
                                 f"{human_bytes(r['comm_bytes'])}/step | mem {human_bytes(r['memory_per_rank'])}/rank")
             bar.update()
-    summary = _summary(records, setup)
+    summary = {**_summary(records, setup), "resumed_from": start}
     if main:
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def _summary(records: list[dict[str, Any]], setup: Any) -> dict[str, Any]:
+    if not records:  # restarted after its last step, elsewhere than its first run dir: nothing to report
+        return {"layout": setup.layout.name, "mesh": setup.mesh.shape, "steps": 0}
     timed = records[1:] or records  # the first step pays for warm-up (plans, meshes, allocator)
     by_kind: dict[str, float] = {}
     for r in records:
@@ -165,12 +209,14 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     """
     if cfg.runtime.kind == "torchrun":
         _torchrun_env()
-    build(cfg)
+    setup = build(cfg)
+    if cfg.model.init_from:
+        pretrained(cfg.model.init_from, setup)  # a mismatch fails here, before any process starts
     conf = OmegaConf.to_container(cfg, resolve=True)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if os.environ.get("RANK", "0") == "0":
         Path(out_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    world = cfg.runtime.world_size or build(cfg).mesh.size
+    world = cfg.runtime.world_size or setup.mesh.size
     if cfg.runtime.kind == "simulate":
         with shardings.simulate(world):
             return run_rank(conf, out_dir)
@@ -189,6 +235,9 @@ def main(cfg: DictConfig) -> float:
     except (ConfigError, shardings.LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    if not summary["steps"]:
+        print(f"nothing to do: already trained to step {summary['resumed_from']} (its checkpoint)")
+        return float("nan")
     print(f"{summary['layout']} on {summary['mesh']}: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
           f"{summary['tokens_per_s']:,.0f} tok/s, comm {human_bytes(summary['comm_bytes_per_step'])}/step, "
           f"memory {human_bytes(summary['memory_per_rank'])}/rank")

@@ -1,76 +1,117 @@
-"""Failover drill on real processes: SIGKILL a rank mid-run, restart, resume from the last checkpoint, same result.
+"""Resume: ``experiments.train`` with ``checkpoint.every`` picks up a killed run exactly, under any layout.
 
-``experiments.train`` gets its resume hook separately; this drill runs the same loop shape on the library
-(``shardings.launch`` + ``shardings.checkpoint``): checkpoint every N steps, resume from ``latest`` by itself.
-
-Known gap: when a rank is SIGKILLed, ``shardings.launch`` may report the surviving rank's broken
-collective instead of naming the dead rank (it takes the first failure elastic observed); preferring
-a rank that died by a signal without a Python exception would name it every time.
+The failover drill runs the real app on real processes (``runtime=multiprocess``): rank 1 SIGKILLs
+itself mid-run, the job fails within a bounded time naming rank 1, and the restarted job resumes from
+the last checkpoint by itself and ends bitwise equal to an uninterrupted run. The rank kills itself
+from inside the model: this module doubles as a model module for ``model.name=tests.experiments.test_resume``
+(``models.mlp`` whose ``loss`` SIGKILLs rank ``kill_rank`` at its ``kill_at``-th call, one call per step).
 """
 
-import functools
+from __future__ import annotations
+
+import dataclasses
+import json
 import os
+import shutil
 import signal
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-import core
-import models.gpt as gpt
 import shardings
-from core import tree
-from shardings import Mesh, checkpoint
+from experiments.train import run
+from models import mlp
+from models.mlp import axes, example_batch, init
+from shardings import checkpoint
+from tests.experiments.conftest import compose_config
 
-CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=8)
-STEPS, EVERY, BATCH = 6, 2, 4
+__all__ = ["Config", "axes", "example_batch", "init", "loss"]
+
+FAST = ["data.max_bytes=200000", "progress=false", "optim.warmup_steps=0", "optim.lr=1e-2", "checkpoint.every=2"]
+MLP = ["model=mlp", "layout=zero3", "mesh=dp4", "runtime=simulate", "steps=4", *FAST]
+_CALLS = [0]
 
 
-def train(root, kill_at=None):
-    """Train STEPS steps of zero3 on dp=2, checkpointing every EVERY; resume from the latest checkpoint if any.
+@dataclasses.dataclass(frozen=True)
+class Config(mlp.Config):
+    """``mlp.Config`` plus when to die: rank ``kill_rank`` (-1: none) at ``loss`` call ``kill_at``."""
 
-    Returns ``(first step run, {step: loss}, final params as whole tensors)``; rank 1 SIGKILLs itself
-    at the start of step ``kill_at``.
-    """
-    mesh, opt = Mesh(dp=2), core.optim.adamw(1e-2)
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="zero3", mesh=mesh)
-    step_fn = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), opt, layout="zero3", mesh=mesh)
-    state = {"params": params, "opt_state": step_fn.init(params), "data": {"position": 0}}
-    start = 0
-    if checkpoint.latest(root) is not None:
-        state, start = checkpoint.load(root, like=state)
-    losses = {}
-    for step in range(start + 1, STEPS + 1):
-        if step == kill_at and torch.distributed.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        batch = gpt.example_batch(CFG, BATCH, seed=state["data"]["position"])  # the data position decides the batch
-        params, opt_state, metrics = step_fn(state["params"], state["opt_state"], batch)
-        state = {"params": params, "opt_state": opt_state, "data": {"position": state["data"]["position"] + 1}}
-        losses[step] = metrics["loss"]
-        if step % EVERY == 0:
-            checkpoint.save(root, state, step=step, keep=2)
-    whole = shardings.gather(state["params"])
-    return start + 1, losses, {tree.keystr(p): x for p, x in tree.leaves_with_path(whole)}
+    kill_rank: int = -1
+    kill_at: int = 0
+
+
+def loss(params: dict, batch: dict, cfg: Config) -> torch.Tensor:
+    """mlp's loss; SIGKILLs this process when it is rank ``cfg.kill_rank`` and this is call ``cfg.kill_at``."""
+    _CALLS[0] += 1
+    if cfg.kill_rank >= 0 and _CALLS[0] == cfg.kill_at and dist.get_rank() == cfg.kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return mlp.loss(params, batch, cfg)
+
+
+def _losses(out_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _params(ckpt_dir, step: int) -> dict[str, torch.Tensor]:
+    saved, at = checkpoint.load(ckpt_dir / f"step_{step}")
+    assert at == step
+    return {k: v for k, v in saved.items() if k.startswith("['params']")}
+
+
+def _restart_from(reference, out_dir, step: int) -> None:
+    """``out_dir`` as a run killed after ``step``'s checkpoint: only that checkpoint is there."""
+    shutil.copytree(reference / "checkpoints" / f"step_{step}", out_dir / "checkpoints" / f"step_{step}")
+
+
+def test_a_restarted_run_resumes_bitwise_under_its_layout_and_within_tolerance_under_another(tmp_path):
+    ref, same, other = tmp_path / "uninterrupted", tmp_path / "same", tmp_path / "other"
+    summary = run(compose_config("train", MLP), str(ref))
+    assert summary["resumed_from"] == 0 and sorted(os.listdir(ref / "checkpoints")) == ["step_2", "step_4"]
+    saved, _ = checkpoint.load(ref / "checkpoints")
+    assert saved["['data']['position']"] == 4 and saved["['rng']"].tolist() == [0, 0]
+    assert json.loads(saved["['config']['resolved']"])["layout"]["name"] == "zero3"
+
+    _restart_from(ref, same, 2)
+    assert run(compose_config("train", MLP), str(same))["resumed_from"] == 2
+    assert _losses(same) == {s: _losses(ref)[s] for s in (3, 4)}  # bitwise: same layout, same reductions
+    want = _params(ref / "checkpoints", 4)
+    assert all(torch.equal(v, want[k]) for k, v in _params(same / "checkpoints", 4).items())
+
+    _restart_from(ref, other, 2)  # resharded on load: zero3 on dp=4 -> zero3+tp on dp=2 x tp=2
+    run(compose_config("train", [*MLP, "layout=zero3+tp", "mesh=dp2_tp2"]), str(other))
+    got, ref_losses = _losses(other), _losses(ref)
+    assert sorted(got) == [3, 4]
+    for s in got:  # DESIGN §5: loss rtol 1e-5
+        torch.testing.assert_close(torch.tensor(got[s]), torch.tensor(ref_losses[s]), rtol=1e-5, atol=0)
+
+
+def test_a_finished_run_restarted_in_its_run_dir_keeps_its_metrics(tmp_path):
+    cfg = compose_config("train", [*MLP, "steps=2", "checkpoint.keep=1"])
+    first = run(cfg, str(tmp_path))
+    again = run(cfg, str(tmp_path))  # the checkpoint is at the last step: nothing to train
+    assert again["resumed_from"] == 2 and again["final_loss"] == first["final_loss"]
+    assert sorted(_losses(tmp_path)) == [1, 2] and os.listdir(tmp_path / "checkpoints") == ["step_2"]
 
 
 @pytest.mark.multiprocess
-def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_bitwise_equal(tmp_path):
-    first, reference_losses, reference = shardings.launch(train, 2, str(tmp_path / "uninterrupted"))[0]
-    assert first == 1 and sorted(reference_losses) == list(range(1, STEPS + 1))
+def test_failover_drill_sigkill_a_rank_restart_and_end_bitwise_equal(tmp_path):
+    app = ["model=mlp", "model.name=tests.experiments.test_resume", "layout=zero3", "mesh=dp2",
+           "runtime=multiprocess", "runtime.timeout_s=30", "steps=6", "+model.config.kill_rank=-1",
+           "+model.config.kill_at=5", *FAST]  # the same model config in every run: it is saved and checked
+    ref, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    run(compose_config("train", app), str(ref))
 
-    root = str(tmp_path / "killed")
     started = time.monotonic()
     with pytest.raises(shardings.LaunchError) as e:
-        shardings.launch(train, 2, root, 5, timeout=30)
-    # The launcher names the first rank it saw fail: the SIGKILLed rank 1, or rank 0 when its collective
-    # broke first ("Connection reset by peer") -- a race in shardings.launch's report, see the module docstring.
-    named_dead = e.value.rank == 1 and "SIGKILL" in str(e.value)
-    assert named_dead or (e.value.rank == 0 and "reset by peer" in str(e.value))
+        run(compose_config("train", [*app, "model.config.kill_rank=1"]), str(killed))
+    assert e.value.rank == 1 and "rank 1 of 2 failed without a Python exception" in str(e.value)
+    assert "SIGKILL" in str(e.value)  # the dead rank is named, not its peer's broken connection
     assert time.monotonic() - started < 60  # the surviving rank was stopped, not left hanging in a collective
-    assert checkpoint.latest(root) == os.path.join(root, "step_4")
+    assert checkpoint.latest(killed / "checkpoints") == str(killed / "checkpoints" / "step_4")
 
-    first, losses, final = shardings.launch(train, 2, root)[0]  # the restarted job finds step_4 by itself
-    assert first == 5
-    assert losses == {s: reference_losses[s] for s in (5, 6)}  # bitwise: same layout, same reductions
-    assert final.keys() == reference.keys()
-    assert all(torch.equal(final[k], reference[k]) for k in reference)
+    assert run(compose_config("train", app), str(killed))["resumed_from"] == 4  # finds step_4 by itself
+    assert _losses(killed) == _losses(ref)  # steps 1-4 kept from the killed run, 5-6 resumed: bitwise
+    want = _params(ref / "checkpoints", 6)
+    assert all(torch.equal(v, want[k]) for k, v in _params(killed / "checkpoints", 6).items())
