@@ -1,14 +1,22 @@
 """The train app: short runs in simulate and in real processes learn and leave the documented files."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
+import core
+import models.gpt as gpt
+from experiments import export
+from experiments.build import ConfigError, build
+from experiments.data import DataState, Packed, load_corpus
 from experiments.train import run
+from shardings import checkpoint
 from tests.experiments.conftest import compose_config
 
 FAST = ["model=mlp", "data.max_bytes=200000", "progress=false", "optim.warmup_steps=0", "optim.lr=1e-2", "steps=6"]
@@ -59,3 +67,25 @@ def test_torchrun_runtime_outside_torchrun_says_how_to_start_it(tmp_path, monkey
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match=r"not started by torchrun.*Fix: start it as `torchrun"):
         run(compose_config("train", [*FAST, "runtime=torchrun"]), str(tmp_path))
+
+
+GPT = ["model=gpt_tiny", "model.config.dim=32", "model.config.layers=1", "model.config.mlp=64",
+       "model.config.seq_len=16", "data.batch_size=4", "layout=zero3", "mesh=dp2", "runtime=simulate"]
+
+
+def test_init_from_a_hugging_face_folder_starts_from_its_params(tmp_path):
+    cfg = compose_config("train", [*FAST, *GPT, "steps=1"])
+    mcfg = build(cfg).model_cfg
+    params = gpt.init(core.random.key(7), mcfg)
+    checkpoint.save(tmp_path / "ckpt", {"params": params, "config": dataclasses.asdict(mcfg)}, step=0)
+    hf = export.export(tmp_path / "ckpt", tmp_path / "hf")
+
+    summary = run(compose_config("train", [*FAST, *GPT, "steps=1", f"model.init_from={hf}"]), str(tmp_path / "run"))
+    data = Packed(load_corpus("stdlib", cfg.data.max_bytes), 16, 4)
+    want = gpt.loss(params, data.next(DataState(0))[0], mcfg)
+    torch.testing.assert_close(torch.tensor(summary["first_loss"]), want, rtol=1e-5, atol=0)  # DESIGN §5 loss rtol
+
+    with pytest.raises(ConfigError, match=r"params\['blocks'\]\[0\]\['w_\w+'\] has shape .* needs .*Fix:"):
+        run(compose_config("train", [*FAST, *GPT, "model.config.mlp=96", f"model.init_from={hf}"]), str(tmp_path))
+    with pytest.raises(ConfigError, match=r"holds a gpt, not models.mlp"):
+        run(compose_config("train", [*FAST, "runtime=simulate", f"model.init_from={hf}"]), str(tmp_path))
