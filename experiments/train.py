@@ -10,6 +10,11 @@ With no arguments: ``gpt_tiny`` on the standard library's source bytes, layout `
 Each run's directory (Hydra's) gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
 step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position)
 and ``summary.json``. ``python -m experiments.report <multirun dir>`` compares the runs of a sweep.
+
+``checkpoint.every=N`` saves the whole train state every N steps (``shardings.checkpoint``, into
+``checkpoint.dir``, default ``<run dir>/checkpoints``); a job restarted with the same folder resumes
+from its latest checkpoint, under any layout and mesh. ``model.init_from=<dir>`` starts from a Hugging
+Face Llama folder (``experiments.export``'s output).
 """
 
 from __future__ import annotations
