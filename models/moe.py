@@ -264,8 +264,8 @@ def moe_mlp(p: Params, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]
 
 def _block(p: Params, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]:
     x = gpt._attention_residual(p, x, cfg)
-    y, aux = moe_mlp(p, rms_norm(x, p["mlp_norm"], cfg.norm_eps), cfg)
-    return constrain(x + y, RESIDUAL), aux
+    y, aux = moe_mlp(p, constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), gpt.BLOCK_INPUT), cfg)
+    return x + constrain(y, RESIDUAL), aux
 
 
 def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]:
@@ -288,7 +288,7 @@ def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[t
             total = {k: total[k] + v for k, v in aux.items()} if total else aux
         else:
             x = dense(p, x)
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), gpt.BLOCK_INPUT)
     unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
     return constrain(x @ unembed, ("batch", "seq", "vocab")), total
 

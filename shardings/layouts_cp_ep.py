@@ -1,10 +1,11 @@
 """Presets ``cp``, ``cp_allgather`` and ``ep``: context and expert parallelism as rule tables.
 
-``cp`` puts the sequence dim of the batch and of every activation on mesh axis ``cp``; parameters
-stay replicated over it and their gradients (``Partial`` over ``cp``) are reduced over it by the
-train step like data-parallel ones. :func:`shardings.attention` sees ``seq`` sharded and runs ring
-attention. ``cp_allgather`` differs in one rule: ``kv_seq`` (the seq dim of K/V as attention
-consumes them) is replicated, so attention all-gathers K/V instead of passing them around.
+``cp`` puts the sequence dim of the batch and of every activation (``seq`` and ``block_seq``) on
+mesh axis ``cp``; parameters stay replicated over it and their gradients (``Partial`` over ``cp``)
+are reduced over it by the train step like data-parallel ones. :func:`shardings.attention` sees
+``seq`` sharded and runs ring attention. ``cp_allgather`` differs in one rule: ``kv_seq`` (the seq
+dim of K/V as attention consumes them) is replicated, so attention all-gathers K/V instead of
+passing them around.
 
 ``cp`` ranks before ``sp``: composed with ``tp+sp``, the residual's seq goes to ``cp`` and sp's
 ``seq → tp`` rule becomes a fallback (the residual is not also split over ``tp``; TP all-reduces).
@@ -26,7 +27,7 @@ __all__ = ["CP_AXIS", "EP_AXIS"]
 CP_AXIS = "cp"
 EP_AXIS = "ep"
 
-_SEQ = Rules([("seq", CP_AXIS)])
+_SEQ = Rules([("seq", CP_AXIS), ("block_seq", CP_AXIS)])  # block inputs stay split too: cp is not sp
 register("cp", Layout(batch=_SEQ, activations=_SEQ + Rules([("kv_seq", CP_AXIS)])),
          group="cp", needs=((CP_AXIS,),), rank=15)
 register("cp_allgather", Layout(batch=_SEQ, activations=_SEQ + Rules([("kv_seq", None)])),
