@@ -48,8 +48,7 @@ def _model(conf: Any) -> tuple[ModuleType, Any]:
     try:
         module = importlib.import_module(name) if "." in name else models.get(name)
     except ValueError as e:
-        missing = " (models.moe arrives with the MoE issue)" if name == "moe" else ""
-        raise ConfigError(f"model: {e}{missing}") from None
+        raise ConfigError(f"model: {e}") from None
     try:
         return module, module.Config(**dict(conf.config))
     except (TypeError, ValueError) as e:

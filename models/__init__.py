@@ -2,11 +2,11 @@
 
 from types import ModuleType
 
-from models import gpt, mlp
+from models import gpt, mlp, moe
 
-__all__ = ["get", "gpt", "mlp"]
+__all__ = ["get", "gpt", "mlp", "moe"]
 
-_MODELS = {"gpt": gpt, "mlp": mlp}
+_MODELS = {"gpt": gpt, "mlp": mlp, "moe": moe}
 
 
 def get(name: str) -> ModuleType:

@@ -29,10 +29,6 @@ def test_groups_hold_the_documented_members():
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_model_members(compose_train, model):
     cfg = compose_train(f"model={model}", "runtime=simulate")
-    if MODELS[model][0] == "moe" and not hasattr(models, "moe"):
-        with pytest.raises(ConfigError, match=r"models.moe arrives with the MoE issue"):
-            build(cfg)
-        return
     setup = build(cfg)
     assert setup.model is models.get(MODELS[model][0])
     assert setup.layout.name == "zero3+tp" and setup.mesh.shape == {"dp": 2, "tp": 2}

@@ -212,7 +212,7 @@ def test_config_validation() -> None:
 
 def test_registry_and_example_batch() -> None:
     assert models.get("gpt") is gpt
-    with pytest.raises(ValueError, match=r"unknown model 'bert'.*Fix: use one of \['gpt', 'mlp'\]"):
+    with pytest.raises(ValueError, match=r"unknown model 'bert'.*Fix: use one of \['gpt', 'mlp', 'moe'\]"):
         models.get("bert")
     a, b = gpt.example_batch(SMALL, 3, seed=1), gpt.example_batch(SMALL, 3, seed=1)
     assert a["tokens"].dtype == a["labels"].dtype == torch.int64 and a["tokens"].shape == (3, SMALL.seq_len)
