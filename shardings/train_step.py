@@ -8,8 +8,9 @@ One step, for a layout and a mesh:
 3. ``loss_fn`` runs under ``use(mesh, layout)``, so its ``constrain`` calls resolve. Gradients of
    replicated parameters come out ``Partial`` (unreduced).
 4. Gradients are reduced straight into the ``opt_state`` placements — replicated there: an
-   all-reduce (DP); sharded there: a reduce-scatter (ZeRO). A ``grads`` role that is sharded
-   means "never hold full gradients": each gradient is reduced as soon as backward produces it.
+   all-reduce (DP; one per bucket of flattened gradients, ``shardings.buckets``); sharded there: a
+   reduce-scatter (ZeRO). A ``grads`` role that is sharded means "never hold full gradients":
+   each gradient is reduced as soon as backward produces it.
    Otherwise gradients stay ``Partial`` across accumulation microbatches and are reduced once.
 5. The optimizer updates in the ``opt_state`` layout; new parameters go back to storage
    (an all-gather of the updated shards for ZeRO-1/2).
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import core
 from core import tree
-from shardings import accounting, layouts, lower
+from shardings import accounting, buckets, layouts, lower
 from shardings.context import use
 from shardings.distribute import shard
 from shardings.errors import sharding_error
@@ -71,13 +72,14 @@ class TrainStep:
     """A jit-free, pure train step. Build with :func:`train_step`."""
 
     def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
-                 precision=None, token_count=default_token_count):
+                 precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.loss_fn, self.mesh, self.axes = loss_fn, mesh, axes
         self.layout = layouts.get(layout)
         layouts.validate(self.layout, mesh)
         self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
+        self.bucket_mb = bucket_mb
         clip = [core.optim.clip_by_global_norm(clip_norm)] if clip_norm is not None else []
         self.optimizer = core.optim.chain(*clip, optimizer) if clip else optimizer
         self._plan: Plan | None = None
@@ -131,7 +133,8 @@ class TrainStep:
         finally:
             for h in hooks:
                 h.remove()
-        reduced = self._to("opt_state", acc)  # Partial -> replicated: all-reduce; -> sharded: reduce-scatter
+        # Partial -> replicated: all-reduce (one per bucket); -> sharded: reduce-scatter (per leaf).
+        reduced = buckets.reduce(acc, plan.placements["opt_state"], self.bucket_mb)
         return loss_sum, tree.unflatten(plan.treedef, reduced), total_tokens
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
@@ -246,7 +249,8 @@ def _recorded_axes(params: Any) -> Any:
 
 def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, layout: Any, mesh: Mesh,
                axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
-               token_count: Callable[[Any], torch.Tensor] = default_token_count) -> TrainStep:
+               token_count: Callable[[Any], torch.Tensor] = default_token_count,
+               bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -259,6 +263,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         clip_norm: clip gradients to this global norm (computed across all shards and axes).
         precision: a ``core.precision.Policy``; params are cast to its compute dtype for the loss.
         token_count: ``batch -> tokens`` used to weight microbatches (labels ≠ -100 by default).
+        bucket_mb: gradients all-reduced after backward are packed into flat buckets of this many MB,
+            one collective per bucket (``shardings.buckets``); ``None`` or ``0``: one per gradient.
 
     Returns:
         A :class:`TrainStep`: ``opt_state = step.init(params)``, then
@@ -268,4 +274,4 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     ...                   layout="zero3+tp", mesh=Mesh(dp=2, tp=2))
     """
     return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
-                     clip_norm=clip_norm, precision=precision, token_count=token_count)
+                     clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb)

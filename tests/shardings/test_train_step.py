@@ -7,12 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import Partial
 
 import core
 import models.gpt as gpt
 import shardings
 from core import tree
-from shardings import Mesh, gather_params, layouts
+from shardings import Mesh, buckets, gather_params, layouts
 from shardings.testing import EquivalenceError, check_equivalence, meshes
 from shardings.testing import layouts as layout_strategy
 
@@ -73,11 +74,11 @@ def test_a_rank_dependent_model_fails_equivalence_naming_the_path():
 # -- collectives: kinds, counts, axes and bytes of one step (DESIGN §4/§6) ----------------------------------
 
 
-def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4):
+def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4, bucket_mb=buckets.DEFAULT_BUCKET_MB):
     with shardings.simulate(mesh.size):
         params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.adamw(1e-3), layout=layout,
-                                    mesh=mesh)
+                                    mesh=mesh, bucket_mb=bucket_mb)
         _, _, metrics = step(params, step.init(params), gpt.example_batch(cfg, batch_size))
     return {(r["kind"], r["axis"]): (r["count"], r["bytes"]) for r in metrics["comm"]}, metrics
 
@@ -90,11 +91,33 @@ def _ring(kind, n, nbytes):
     return nbytes * 2 * (n - 1) // n if kind == "all_reduce" else nbytes * (n - 1) // n
 
 
-def test_dp_all_reduces_every_grad_over_dp_only():
+@pytest.mark.parametrize(("bucket_mb", "collectives"), [(25, 1), (None, len(_leaves()))])
+def test_dp_all_reduces_every_grad_over_dp_only(bucket_mb, collectives):
+    # Bucketed (the whole tiny model fits one 25 MB bucket) or one all-reduce per gradient: same bytes.
     n, leaves = 4, _leaves()
-    comm, _ = _one_step_comm("dp", Mesh(dp=n))
+    comm, _ = _one_step_comm("dp", Mesh(dp=n), bucket_mb=bucket_mb)
     four_p = sum(4 * x.numel() for x in leaves)
-    assert comm == {("all_reduce", "dp"): (len(leaves), _ring("all_reduce", n, four_p))}
+    assert comm == {("all_reduce", "dp"): (collectives, _ring("all_reduce", n, four_p))}
+
+
+@pytest.mark.parametrize(("layout", "mesh"), [("dp", Mesh(dp=4)), ("dp+tp", Mesh(dp=2, tp=2))])
+@pytest.mark.parametrize("bucket_mb", [0.0001, 0.002, 25])
+def test_collective_counts_per_step_with_bucketing_match_the_bucket_plan(layout, mesh, bucket_mb, monkeypatch):
+    seen = []  # the gradients the step reduces, as backward left them
+    reduce = buckets.reduce
+    monkeypatch.setattr(buckets, "reduce", lambda g, t, mb: seen.append((g, t, mb)) or reduce(g, t, mb))
+    comm, _ = _one_step_comm(layout, mesh, bucket_mb=bucket_mb)
+    ((grads, targets, mb),) = seen
+    with shardings.simulate(mesh.size):
+        bucket_plan = buckets.plan(grads, targets, mb)
+    dp = mesh.axis_names.index("dp")
+    assert mb == bucket_mb and len(bucket_plan) > 0
+    # One all-reduce over dp per bucket (a bucket also Partial over tp adds one over tp), none per leaf.
+    assert comm[("all_reduce", "dp")][0] == sum(isinstance(b.source[dp], Partial) for b in bucket_plan)
+    assert sorted(i for b in bucket_plan for i in b.leaves) == list(range(len(grads)))
+    assert all(b.nbytes <= bucket_mb * 1e6 or len(b.leaves) == 1 for b in bucket_plan)
+    if bucket_mb == 0.0001:  # 100 bytes: every leaf of CFG is bigger, so one bucket each
+        assert len(bucket_plan) == len(grads)
 
 
 @pytest.mark.parametrize("layout", ["zero1", "zero2"])
@@ -139,11 +162,11 @@ def test_sp_turns_tp_all_reduces_into_all_gather_and_reduce_scatter():
     rs_count, rs_bytes = comm[("reduce_scatter", "tp")]
     # Per block: gather before each TP matmul pair, scatter after, mirrored in backward; plus the
     # final norm's gather (and its backward scatter). The extra scatter is the vocab-sharded
-    # embedding's gradient; the norm weights' gradients are all-reduced (they see seq shards).
+    # embedding's gradient; the norm weights' gradients are all-reduced (they see seq shards), bucketed.
     assert (ag_count, ag_bytes) == (5, 5 * _ring("all_gather", 2, bsh))
     assert (rs_count, rs_bytes) == (6, 5 * _ring("reduce_scatter", 2, bsh) + _ring("reduce_scatter", 2,
                                                                                    4 * CFG.vocab * CFG.dim))
-    assert comm[("all_reduce", "tp")] == (3, 3 * _ring("all_reduce", 2, 4 * CFG.dim))
+    assert comm[("all_reduce", "tp")] == (1, 3 * _ring("all_reduce", 2, 4 * CFG.dim))  # one bucket of 3 norms
     assert set(comm) <= {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp"), ("all_to_all", "tp")}
 
 
