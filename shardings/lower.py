@@ -15,6 +15,7 @@ specs are accepted for divisible dims and rejected, with a clear error, otherwis
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,11 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh, P, mesh_of_device_mesh, validate_spec
+
+# DTensor logs a warning on every rank for each reduction over several mesh axes (it runs one
+# collective per axis and suggests flattening the mesh). The results are exact; the warning floods
+# training logs. Flattening those reductions is performance work, tracked in the issues.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 __all__ = [
     "constrain_to",
