@@ -20,13 +20,23 @@ from shardings.errors import sharding_error
 from shardings.mesh import Mesh
 from shardings.rules import Rules
 
-__all__ = ["DATA_AXES", "LOGICAL_NAMES", "Layout", "get", "names", "register", "validate"]
+__all__ = ["DATA_AXES", "LOGICAL_NAMES", "Layout", "get", "names", "register", "register_combination", "validate"]
 
 # Every logical name the models use (DESIGN §4); each role's table ends by replicating them all.
 # "block_seq" is the sequence dim of a normalized activation entering a tensor-parallel matmul:
 # sequence parallelism shards the residual stream's "seq" but gathers "block_seq".
 LOGICAL_NAMES = (
-    "batch", "seq", "block_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers",
+    "batch",
+    "seq",
+    "block_seq",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "expert",
+    "layers",
 )
 DATA_AXES = ("dp", "fsdp")
 _REPLICATE_ALL = Rules([(n, None) for n in LOGICAL_NAMES])
@@ -86,11 +96,17 @@ class _Preset:
 
 
 _PRESETS: dict[str, _Preset] = {}
+_COMBINED: dict[frozenset[str], tuple[Layout, int]] = {}
 
 
 def register(name: str, layout: Layout, *, group: str, needs=(), after=(), rank: int = 50) -> None:
     """Add a preset usable in :func:`get` compositions (e.g. a user's own ``"my_tp"``)."""
     _PRESETS[name] = _Preset(dataclasses.replace(layout, name=name), group, tuple(needs), tuple(after), rank)
+
+
+def register_combination(names: tuple[str, ...], layout: Layout, *, rank: int) -> None:
+    """Extra rules that join a composition when all of ``names`` are in it, at priority ``rank``."""
+    _COMBINED[frozenset(names)] = (layout, rank)
 
 
 def _shard_params_over(axes) -> Rules:
@@ -105,17 +121,36 @@ _TP = Rules([("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", "tp")
 _NEEDS_DATA = (DATA_AXES,)
 
 register("dp", Layout(batch=_DATA, activations=_DATA), group="data", needs=_NEEDS_DATA, rank=0)
-register("zero1", Layout(opt_state=_SHARDED, batch=_DATA, activations=_DATA),
-         group="data", needs=_NEEDS_DATA, rank=0)
-register("zero2", Layout(opt_state=_SHARDED, grads=_SHARDED, batch=_DATA, activations=_DATA),
-         group="data", needs=_NEEDS_DATA, rank=0)
-register("zero3", Layout(params=_SHARDED, grads=_SHARDED, opt_state=_SHARDED, batch=_DATA, activations=_DATA),
-         group="data", needs=_NEEDS_DATA, rank=0)
+register("zero1", Layout(opt_state=_SHARDED, batch=_DATA, activations=_DATA), group="data", needs=_NEEDS_DATA, rank=0)
+register(
+    "zero2",
+    Layout(opt_state=_SHARDED, grads=_SHARDED, batch=_DATA, activations=_DATA),
+    group="data",
+    needs=_NEEDS_DATA,
+    rank=0,
+)
+register(
+    "zero3",
+    Layout(params=_SHARDED, grads=_SHARDED, opt_state=_SHARDED, batch=_DATA, activations=_DATA),
+    group="data",
+    needs=_NEEDS_DATA,
+    rank=0,
+)
 _HSDP = _shard_params_over("fsdp")
-register("hsdp", Layout(params=_HSDP, grads=_HSDP, opt_state=_HSDP, batch=_DATA, activations=_DATA),
-         group="data", needs=(("fsdp",),), rank=0)
-register("tp", Layout(params=_TP, compute=_TP, grads=_TP, opt_state=_TP, activations=_TP),
-         group="tp", needs=(("tp",),), rank=10)
+register(
+    "hsdp",
+    Layout(params=_HSDP, grads=_HSDP, opt_state=_HSDP, batch=_DATA, activations=_DATA),
+    group="data",
+    needs=(("fsdp",),),
+    rank=0,
+)
+register(
+    "tp",
+    Layout(params=_TP, compute=_TP, grads=_TP, opt_state=_TP, activations=_TP),
+    group="tp",
+    needs=(("tp",),),
+    rank=10,
+)
 # Sequence parallelism: the residual stream's seq dim goes to tp. Its rule comes after tp's, so
 # inside attention/MLP (where heads/mlp already hold tp) seq stays whole.
 register("sp", Layout(activations=Rules([("seq", "tp")])), group="sp", needs=(("tp",),), after=("tp",), rank=20)
@@ -162,11 +197,13 @@ def get(spec: str | Layout | Iterable[str]) -> Layout:
                     f"layout {spec!r}: preset {p!r} only works together with {needed!r}",
                     fix=f"write '{'+'.join([*parts, needed])}'",
                 )
-    ordered = sorted(parts, key=lambda p: (_PRESETS[p].rank, parts.index(p)))
+    # Rules that only make sense when several presets meet (e.g. sp with cp) join at their own rank.
+    tables = [(_PRESETS[p].rank, parts.index(p), _PRESETS[p].layout) for p in parts]
+    tables += [(rank, -1, extra) for members, (extra, rank) in _COMBINED.items() if members <= set(parts)]
     layout = Layout()
-    for p in ordered:
-        layout = layout + _PRESETS[p].layout
-    return layout
+    for _, _, table in sorted(tables, key=lambda t: t[:2]):
+        layout = layout + table
+    return dataclasses.replace(layout, name="+".join(sorted(parts, key=lambda p: (_PRESETS[p].rank, parts.index(p)))))
 
 
 def validate(layout: Layout, mesh: Mesh) -> None:

@@ -7,8 +7,9 @@ are reduced over it by the train step like data-parallel ones. :func:`shardings.
 dim of K/V as attention consumes them) is replicated, so attention all-gathers K/V instead of
 passing them around.
 
-``cp`` ranks before ``sp``: composed with ``tp+sp``, the residual's seq goes to ``cp`` and sp's
-``seq → tp`` rule becomes a fallback (the residual is not also split over ``tp``; TP all-reduces).
+Composed with ``tp+sp``, the residual stream's seq is split over ``("cp", "tp")`` (cp major): a
+combination rule placed after tp's rules (so attention keeps heads on tp and seq on cp) and before
+cp's own. Block inputs (``block_seq``) stay on cp only: sp gathers over tp, cp keeps its split.
 
 ``ep`` puts the ``expert`` dim of expert weights on mesh axis ``ep`` in every role, and treats
 ``ep`` as a data axis for tokens (DeepSpeed-MoE style): the batch is split over ``(dp, fsdp, ep)``,
@@ -19,7 +20,7 @@ route each rank's tokens to the experts' ranks with ``all_to_all``. It ranks fir
 
 from __future__ import annotations
 
-from shardings.layouts import DATA_AXES, Layout, register
+from shardings.layouts import DATA_AXES, Layout, register, register_combination
 from shardings.rules import Rules
 
 __all__ = ["CP_AXIS", "EP_AXIS"]
@@ -32,6 +33,8 @@ register("cp", Layout(batch=_SEQ, activations=_SEQ + Rules([("kv_seq", CP_AXIS)]
          group="cp", needs=((CP_AXIS,),), rank=15)
 register("cp_allgather", Layout(batch=_SEQ, activations=_SEQ + Rules([("kv_seq", None)])),
          group="cp", needs=((CP_AXIS,),), rank=15)
+
+register_combination(("cp", "sp"), Layout(activations=Rules([("seq", (CP_AXIS, "tp"))])), rank=12)
 
 _EXPERT = Rules([("expert", EP_AXIS)])
 _TOKENS = Rules([("batch", (*DATA_AXES, EP_AXIS))])

@@ -62,10 +62,11 @@ def test_compositions_are_validated_against_the_mesh():
     zero3_tp_sp_cp = layouts.get("zero3+tp+sp+cp")
     layouts.validate(zero3_tp_sp_cp, Mesh(dp=2, tp=2, cp=2))
     rules, mesh = zero3_tp_sp_cp.activation_rules, Mesh(dp=2, tp=2, cp=2)
-    # inside attention: seq on cp, heads on tp; the residual's seq on cp (sp's seq -> tp is its fallback)
+    # inside attention: seq on cp, heads on tp; the residual's seq on cp and tp (sp with cp); block inputs on cp
     assert shardings.logical_to_spec(("batch", "seq", "heads", "head_dim"), rules, mesh) == shardings.P(
         "dp", "cp", "tp", None)
-    assert shardings.logical_to_spec(("batch", "seq", "embed"), rules, mesh) == shardings.P("dp", "cp", None)
+    assert shardings.logical_to_spec(("batch", "seq", "embed"), rules, mesh) == shardings.P("dp", ("cp", "tp"), None)
+    assert shardings.logical_to_spec(("batch", "block_seq", "embed"), rules, mesh) == shardings.P("dp", "cp", None)
     # ep ranks before tp: experts on ep (not tp's "expert -> None"), tokens split over the data axes and ep
     ep_rules = layouts.get("tp+ep").activation_rules
     assert shardings.logical_to_spec(("expert", "embed", "mlp"), ep_rules, Mesh(tp=2, ep=2)) == shardings.P(
