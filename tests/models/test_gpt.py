@@ -17,6 +17,7 @@ import shardings
 from core import tree
 from models import gpt
 from models.layers import cross_entropy
+from tests.models.helpers import assert_init_is_block_evaluable, assert_tensor_parallel_matches
 
 LOGICAL = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers"}
 SMALL = gpt.Config(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, mlp=48, seq_len=8)
@@ -146,16 +147,7 @@ def test_initial_loss_is_log_vocab_and_sgd_lowers_it(tie: bool) -> None:
 @settings(max_examples=10)
 @given(cfg=configs(), data=st.data())
 def test_init_is_block_evaluable(cfg: gpt.Config, data: st.DataObject) -> None:
-    """Every leaf is a deferred recipe (one draw or constant, then scalar arithmetic), so a sharded
-    init can compute just its block, and any block equals that slice of the single-device init."""
-    params = gpt.init(core.random.key(3), cfg)
-    with core.deferred.deferred():
-        recipes = gpt.init(core.random.key(3), cfg)
-    for p, r in zip(tree.leaves(params), tree.leaves(recipes), strict=True):
-        assert isinstance(r, core.deferred.Deferred) and r.shape == p.shape
-        starts = [data.draw(st.integers(0, n - 1)) for n in p.shape]
-        block = tuple(slice(a, data.draw(st.integers(a + 1, n))) for a, n in zip(starts, p.shape))
-        assert torch.equal(r.block(block), p[block])
+    assert_init_is_block_evaluable(gpt, cfg, data)
 
 
 def test_init_is_deterministic_per_key() -> None:
@@ -178,23 +170,10 @@ def test_tensor_parallel_matches_single_device() -> None:
     """
     cfg = dataclasses.replace(SMALL, layers=1)
     params, batch = gpt.init(core.random.key(9), cfg), gpt.example_batch(cfg, 4, with_ignored=True)
-    ref, ref_grads = core.value_and_grad(gpt.loss)(params, batch, cfg)
     rules = shardings.Rules(batch=None, seq=None, block_seq=None, embed=None, head_dim=None, heads="tp", kv_heads="tp")
-    rules += shardings.Rules(mlp="tp")
-    rules += shardings.Rules(vocab="tp")
-    with shardings.simulate(2):
-        mesh = shardings.Mesh(tp=2)
-        sharded = shardings.shard(params, shardings.logical_to_specs(gpt.axes(cfg), rules, mesh), mesh)
-        assert shardings.spec_of(sharded["blocks"][0]["wk"]) == shardings.P(None, "tp")  # kv heads are split
-        with shardings.use(mesh, rules):
-            value, grads = core.value_and_grad(gpt.loss)(sharded, batch, cfg)
-        value, grads = (
-            shardings.per_rank(shardings.gather(value))[0],
-            tree.map(lambda g: shardings.per_rank(g)[0], shardings.gather(grads)),
-        )
-    torch.testing.assert_close(value, ref, rtol=1e-5, atol=0)
-    for a, b in zip(tree.leaves(grads), tree.leaves(ref_grads)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rules += shardings.Rules(mlp="tp", vocab="tp")
+    specs = assert_tensor_parallel_matches(gpt, cfg, params, batch, rules)
+    assert specs["blocks"][0]["wk"] == shardings.P(None, "tp")  # kv heads are split
 
 
 def test_config_validation() -> None:

@@ -14,6 +14,7 @@ import models
 import shardings
 from core import tree
 from models import mlp
+from tests.models.helpers import assert_init_is_block_evaluable, assert_tensor_parallel_matches
 
 LOGICAL = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers"}
 SMALL = mlp.Config(vocab=32, dim=16, mlp=32, layers=2, seq_len=8)
@@ -89,16 +90,7 @@ def test_initial_loss_is_log_vocab_and_sgd_lowers_it() -> None:
 @settings(max_examples=10)
 @given(cfg=configs, data=st.data())
 def test_init_is_block_evaluable(cfg: mlp.Config, data: st.DataObject) -> None:
-    """Every leaf is a deferred recipe (one draw or constant, then scalar arithmetic), so a sharded
-    init can compute just its block, and any block equals that slice of the single-device init."""
-    params = mlp.init(core.random.key(3), cfg)
-    with core.deferred.deferred():
-        recipes = mlp.init(core.random.key(3), cfg)
-    for p, r in zip(tree.leaves(params), tree.leaves(recipes), strict=True):
-        assert isinstance(r, core.deferred.Deferred) and r.shape == p.shape
-        starts = [data.draw(st.integers(0, n - 1)) for n in p.shape]
-        block = tuple(slice(a, data.draw(st.integers(a + 1, n))) for a, n in zip(starts, p.shape))
-        assert torch.equal(r.block(block), p[block])
+    assert_init_is_block_evaluable(mlp, cfg, data)
 
 
 def test_init_is_deterministic_per_key() -> None:
@@ -113,18 +105,8 @@ def test_init_is_deterministic_per_key() -> None:
 def test_tensor_parallel_matches_single_device() -> None:
     """mlp and vocab over tp: the same code on DTensors gives the reference loss and grads."""
     params, batch = mlp.init(core.random.key(6), SMALL), mlp.example_batch(SMALL, 4, with_ignored=True)
-    ref, ref_grads = core.value_and_grad(mlp.loss)(params, batch, SMALL)
     rules = shardings.Rules(batch=None, seq=None, block_seq=None, embed=None, mlp="tp", vocab="tp")
-    with shardings.simulate(2):
-        mesh = shardings.Mesh(tp=2)
-        sharded = shardings.shard(params, shardings.logical_to_specs(mlp.axes(SMALL), rules, mesh), mesh)
-        with shardings.use(mesh, rules):
-            value, grads = core.value_and_grad(mlp.loss)(sharded, batch, SMALL)
-        value = shardings.per_rank(shardings.gather(value))[0]
-        grads = tree.map(lambda g: shardings.per_rank(g)[0], shardings.gather(grads))
-    torch.testing.assert_close(value, ref, rtol=1e-5, atol=0)
-    for a, b in zip(tree.leaves(grads), tree.leaves(ref_grads)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_tensor_parallel_matches(mlp, SMALL, params, batch, rules)
 
 
 def test_config_validation_and_registry() -> None:
