@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from core import tree
-from shardings.collectives import bind_mesh
+from shardings.axis_comm import bind_mesh
 from shardings.errors import sharding_error
 from shardings.lower import to_placements
 from shardings.mesh import Mesh, P
