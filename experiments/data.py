@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from shardings import layouts, lower
 from shardings.errors import sharding_error
-from shardings.initialize import coords_of_rank
+from shardings.lower import coords_of_rank
 from shardings.mesh import Mesh, P
 from shardings.rules import logical_to_spec
 

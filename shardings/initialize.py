@@ -17,18 +17,10 @@ from shardings.mesh import Mesh, P
 from shardings.rules import is_names, logical_to_spec
 from shardings.simulate import unwrap
 
-__all__ = ["coords_of_rank", "init", "param_specs"]
+__all__ = ["init", "param_specs"]
 
 # Dims whose per-shard size must be whole: the model reshapes around them (heads × head_dim).
 _MUST_DIVIDE = ("heads", "kv_heads", "head_dim")
-
-
-def coords_of_rank(rank: int, mesh: Mesh) -> dict[str, int]:
-    """The mesh coordinates of a global rank (row-major over the mesh's axes, as ``init_device_mesh``)."""
-    coords = {}
-    for name in reversed(mesh.axis_names):
-        rank, coords[name] = divmod(rank, mesh.shape[name])
-    return {n: coords[n] for n in mesh.axis_names}
 
 
 def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str = "params") -> Any:
@@ -96,7 +88,7 @@ def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
             cls=TypeError,
         )
     shape = tuple(recipe.shape)
-    local = rank_map(lambda r: recipe.block(lower.local_block(shape, spec, mesh, coords_of_rank(r, mesh))))
+    local = rank_map(lambda r: recipe.block(lower.local_block(shape, spec, mesh, lower.coords_of_rank(r, mesh))))
     stride = torch.empty(shape, device="meta").stride()
     placements = lower.to_placements(spec, mesh, len(shape), path=path)
     return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -202,8 +202,8 @@ def get(spec: str | Layout | Iterable[str]) -> Layout:
     tables += [(rank, -1, extra) for members, (extra, rank) in _COMBINED.items() if members <= set(parts)]
     layout = Layout()
     for _, _, table in sorted(tables, key=lambda t: t[:2]):
-        layout = layout + table
-    return dataclasses.replace(layout, name="+".join(sorted(parts, key=lambda p: (_PRESETS[p].rank, parts.index(p)))))
+        layout = layout + table  # unnamed combination tables add no name
+    return layout
 
 
 def validate(layout: Layout, mesh: Mesh) -> None:

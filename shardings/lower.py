@@ -34,6 +34,7 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 __all__ = [
     "constrain_to",
+    "coords_of_rank",
     "from_placements",
     "local_block",
     "mesh_of",
@@ -190,19 +191,21 @@ def mesh_of(x: DTensor) -> Mesh:
     return Mesh(dict(zip(dm.mesh_dim_names, dm.shape, strict=True)))
 
 
-def rank_coords(mesh: Mesh) -> list[dict[str, int]]:
-    """Each rank's coordinates on ``mesh`` (row-major, as ``Mesh.device_mesh`` lays ranks out).
+def coords_of_rank(rank: int, mesh: Mesh) -> dict[str, int]:
+    """A global rank's coordinates on ``mesh`` (row-major, as ``Mesh.device_mesh`` lays ranks out).
 
-    >>> rank_coords(Mesh(dp=2, tp=2))[1]
+    >>> coords_of_rank(1, Mesh(dp=2, tp=2))
     {'dp': 0, 'tp': 1}
     """
-    coords: list[dict[str, int]] = []
-    for rank in range(mesh.size):
-        c: dict[str, int] = {}
-        for name, size in reversed(mesh.shape.items()):
-            rank, c[name] = divmod(rank, size)
-        coords.append({name: c[name] for name in mesh.axis_names})
-    return coords
+    c: dict[str, int] = {}
+    for name, size in reversed(mesh.shape.items()):
+        rank, c[name] = divmod(rank, size)
+    return {name: c[name] for name in mesh.axis_names}
+
+
+def rank_coords(mesh: Mesh) -> list[dict[str, int]]:
+    """Every rank's coordinates on ``mesh``, indexed by global rank (see :func:`coords_of_rank`)."""
+    return [coords_of_rank(rank, mesh) for rank in range(mesh.size)]
 
 
 def _chunk(start: int, stop: int, n_chunks: int, index: int) -> tuple[int, int]:

@@ -38,7 +38,7 @@ from shardings.gather_params import regather_in_backward, to_compute
 from shardings.initialize import param_specs
 from shardings.mesh import Mesh, P
 from shardings.rules import logical_to_spec
-from shardings.simulate import per_rank
+from shardings.simulate import unwrap
 
 __all__ = ["TrainStep", "default_token_count", "train_step"]
 
@@ -54,10 +54,10 @@ def default_token_count(batch: Any, ignore_index: int = -100) -> torch.Tensor:
 
 
 def _scalar(x: torch.Tensor) -> float:
-    """A replicated scalar (DTensor or not, simulated or not) as a Python float."""
+    """A replicated scalar (DTensor or not, simulated or not) as a Python float; simulated ranks must agree."""
     if isinstance(x, DTensor):
         x = x.full_tensor()
-    return float(per_rank(x.detach())[0])
+    return float(unwrap(x.detach()))
 
 
 class Plan(NamedTuple):
