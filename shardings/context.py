@@ -15,10 +15,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from shardings.errors import sharding_error
-from shardings.lower import constrain_to, to_placements
+from shardings.lower import constrain_to, on_mesh, to_placements
 from shardings.mesh import Mesh, P
 from shardings.rules import Rules, logical_to_spec
 
@@ -130,15 +129,9 @@ def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch
     if ctx is None:
         return x
     spec = _spec_for(x, names_or_spec, ctx)
-    device_mesh = ctx.mesh.device_mesh
     placements = to_placements(spec, ctx.mesh, tuple(x.shape))
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
-    elif x.device_mesh != device_mesh:
-        raise sharding_error(
-            f"constrain got a DTensor on {x.device_mesh}, not on the active mesh's device mesh",
-            fix="constrain tensors of the active mesh only, or activate the tensor's mesh with shardings.use",
-            spec=spec,
-            mesh=ctx.mesh,
-        )
+    x = on_mesh(
+        x, ctx.mesh, what="the tensor passed to constrain", spec=spec,
+        fix="constrain tensors of the active mesh only, or activate the tensor's mesh with shardings.use",
+    )
     return constrain_to(x, placements)

@@ -38,6 +38,7 @@ __all__ = [
     "from_placements",
     "local_block",
     "mesh_of",
+    "on_mesh",
     "rank_coords",
     "to_placements",
     "without_size1_axes",
@@ -263,6 +264,26 @@ class _Constrain(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
         return grad.redistribute(ctx.mesh, ctx.grad_placements), None
+
+
+def on_mesh(x: torch.Tensor, mesh: Mesh, *, what: str, fix: str, path: Any = None, spec: Any = None) -> DTensor:
+    """``x`` as a DTensor on ``mesh``'s device mesh, with no communication.
+
+    A plain tensor is taken as the full value, the same on every rank (replicated); a DTensor
+    must already live on this device mesh.
+
+    Raises:
+        ShardingError: ``x`` is a DTensor on another device mesh (``what`` names it, ``fix`` ends the message).
+    """
+    device_mesh = mesh.device_mesh
+    if not isinstance(x, DTensor):
+        return DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+    if x.device_mesh != device_mesh:
+        raise sharding_error(
+            f"{what} is a DTensor on {x.device_mesh}, not on {mesh!r}'s device mesh", fix=fix, path=path, spec=spec,
+            mesh=mesh,
+        )
+    return x
 
 
 def constrain_to(x: DTensor, placements: Sequence[Placement]) -> DTensor:

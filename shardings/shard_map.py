@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from core import tree
 from shardings.axis_comm import bind_mesh
 from shardings.errors import sharding_error
-from shardings.lower import to_placements
+from shardings.lower import on_mesh, to_placements
 from shardings.mesh import Mesh, P
 
 __all__ = ["shard_map"]
@@ -112,16 +112,9 @@ def _local_block(x: Any, spec: P | None, mesh: Mesh, path: str) -> Any:
                 cls=TypeError,
             )
         x = rank_map(lambda _: x.clone())
-    if not isinstance(x, DTensor):  # a full value, the same on every rank: slicing it costs no communication
-        x = DTensor.from_local(x, dm, [Replicate()] * dm.ndim, run_check=False)
-    elif x.device_mesh != dm:
-        raise sharding_error(
-            f"the argument is a DTensor on {x.device_mesh}, not on this shard_map's mesh",
-            fix="reshard it onto the mesh first, or pass the full tensor",
-            path=path,
-            spec=spec,
-            mesh=mesh,
-        )
+    # A plain tensor is a full value, the same on every rank: slicing it costs no communication.
+    x = on_mesh(x, mesh, what="the argument", fix="reshard it onto the mesh first, or pass the full tensor",
+                path=path, spec=spec)
     if tuple(x.placements) != placements:
         x = x.redistribute(dm, placements)
     # Ranks along an axis the spec does not split hold the same block: their gradients add up.
