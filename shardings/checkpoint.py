@@ -27,58 +27,53 @@ its SHA-256 matched the (JSON) manifest.
 Under ``shardings.simulate`` (one process, a fake process group) each tensor is gathered and saved
 whole from the one process; the files are the same format, so such checkpoints load on real ranks
 and vice versa.
+
+The on-disk layer (manifest, file hashes and checks, the safe metadata reader) is in
+:mod:`shardings.checkpoint_files`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import pickle
-import re
 import shutil
 import time
 import warnings
 from concurrent.futures import Future
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import tree
-from shardings.errors import sharding_error
+from shardings.checkpoint_files import (
+    _FORMAT,
+    MANIFEST,
+    CheckpointError,
+    _check_files,
+    _check_like,
+    _describe_files,
+    _distributed,
+    _dtype_name,
+    _error,
+    _read_manifest,
+    _SafeReader,
+    _steps,
+    _write_manifest,
+)
+from shardings.checkpoint_files import _MetadataUnpickler as _MetadataUnpickler  # re-exported: tests use it here
 from shardings.simulate import simulated_world_size, unwrap
 
 __all__ = ["CheckpointError", "PendingSave", "latest", "load", "save"]
 
-MANIFEST = "manifest.json"
-_FORMAT = 1
-_STEP_DIR = re.compile(r"step_(\d+)")
 _PENDING: dict[str, PendingSave] = {}  # root path -> its save still being written (async)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded as asked; the message names the file or key path."""
-
-
-def _error(problem: str, fix: str, path: str | None = None) -> CheckpointError:
-    return sharding_error(problem, fix=fix, path=path, cls=CheckpointError)
-
-
 # -- where things are -------------------------------------------------------------------------------
-
-
-def _steps(root: str) -> list[int]:
-    """Steps of the complete checkpoints under ``root``, ascending."""
-    if not os.path.isdir(root):
-        return []
-    found = (_STEP_DIR.fullmatch(name) for name in os.listdir(root))
-    return sorted(int(m[1]) for m in found if m and os.path.isfile(os.path.join(root, m[0], MANIFEST)))
 
 
 def latest(path: str | os.PathLike) -> str | None:
@@ -97,11 +92,6 @@ def latest(path: str | os.PathLike) -> str | None:
 
 
 # -- saving ----------------------------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    """Real ranks (a process group that is not :func:`shardings.simulate`'s fake one)."""
-    return dist.is_available() and dist.is_initialized() and simulated_world_size() is None
 
 
 def _rank() -> int:
@@ -125,10 +115,6 @@ def _whole(path: str, x: torch.Tensor) -> torch.Tensor:
             fix="keep rank-dependent values in DTensors, or save them per rank yourself",
             path=path,
         ) from None
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
 
 
 def _split(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -244,19 +230,6 @@ def _async_group() -> Any:
     return _ASYNC_GROUPS[world]
 
 
-def _sha256(file: str) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _describe_files(folder: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {n: {"bytes": os.path.getsize(os.path.join(folder, n)), "sha256": _sha256(os.path.join(folder, n))}
-            for n in names}
-
-
 def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) -> str:
     """Hash each rank's files, then rank 0 writes the manifest, renames ``.tmp`` away and prunes."""
     tmp, final = os.path.join(root, f"step_{step}.tmp"), os.path.join(root, f"step_{step}")
@@ -268,10 +241,7 @@ def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) ->
         dist.all_gather_object(files, _describe_files(tmp, mine))
     if rank == 0:
         manifest = {**manifest, "time": time.time(), "files": {k: v for part in files for k, v in part.items()}}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_manifest(tmp, manifest)
         if os.path.exists(final):
             os.replace(final, final + ".old")
         os.replace(tmp, final)
@@ -285,40 +255,6 @@ def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) ->
 # -- loading ---------------------------------------------------------------------------------------
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP's metadata classes, ``torch.Size``, dtypes and paths: never arbitrary code."""
-
-    _ALLOWED: ClassVar = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-            return getattr(dcp_metadata, name)
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        file = os.path.join(self.path, ".metadata")
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def _resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
@@ -329,63 +265,6 @@ def _resolve(path: str) -> str:
             fix="pass a checkpoint folder or the root that save() wrote to; *.tmp folders are unfinished saves",
         )
     return found
-
-
-def _read_manifest(folder: str) -> dict[str, Any]:
-    file = os.path.join(folder, MANIFEST)
-    try:
-        with open(file) as f:
-            manifest = json.load(f)
-        ok = manifest.get("format") == _FORMAT and {"step", "tensors", "values", "files"} <= set(manifest)
-    except (OSError, ValueError, AttributeError) as e:
-        raise _error(f"cannot read {file} ({e})", fix="load an earlier checkpoint (latest() skips none)") from None
-    if not ok:
-        raise _error(f"{file} is not a format-{_FORMAT} manifest", fix="load a checkpoint written by checkpoint.save")
-    return manifest
-
-
-def _check_files(folder: str, files: dict[str, dict[str, Any]]) -> None:
-    """Every file the manifest lists exists with its size and hash; ranks split the hashing."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-    problems = []
-    for i, (name, want) in enumerate(sorted(files.items())):
-        file = os.path.join(folder, name)
-        if not os.path.isfile(file):
-            writer = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
-            problems.append(f"{file} is missing (written by rank {writer[1] if writer else 0})")
-        elif os.path.getsize(file) != want["bytes"]:
-            problems.append(f"{file} has {os.path.getsize(file)} bytes, the manifest says {want['bytes']} (truncated?)")
-        elif i % world == rank and _sha256(file) != want["sha256"]:
-            problems.append(f"{file} is corrupted (its SHA-256 differs from the manifest's)")
-    if _distributed():
-        gathered = [None] * world
-        dist.all_gather_object(gathered, problems)
-        problems = sorted({p for part in gathered for p in part})
-    if problems:
-        raise _error("; ".join(problems), fix="restore the files, or load an earlier checkpoint")
-
-
-def _check_like(saved: dict[str, Any], tensors: dict[str, torch.Tensor], values: dict[str, Any], folder: str) -> None:
-    want = set(tensors) | set(values)
-    have = set(saved["tensors"]) | set(saved["values"])
-    for what, paths in (("is not in the checkpoint", want - have), ("is saved but not in `like`", have - want)):
-        if paths:
-            raise _error(
-                f"{sorted(paths)[0]} {what} ({len(paths)} such key paths; checkpoint {folder})",
-                fix="pass `like` with the saved state's structure (same model config and optimizer)",
-            )
-    for path, t in tensors.items():
-        info = saved["tensors"].get(path)
-        if info is None:
-            raise _error("`like` has a tensor where the checkpoint has a value", fix="match its structure", path=path)
-        dtype = _dtype_name(t)
-        if list(t.shape) != info["shape"] or dtype != info["dtype"]:
-            raise _error(
-                f"the checkpoint holds shape {tuple(info['shape'])} {info['dtype']}, `like` asks for "
-                f"{tuple(t.shape)} {dtype} (checkpoint {folder})",
-                fix="build `like` from the same model config and precision as the saved run",
-                path=path,
-            )
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
@@ -453,4 +332,3 @@ def load(path: str | os.PathLike, like: Any = None) -> tuple[Any, int]:
                          fix="restore the files, or load an earlier checkpoint") from e
     out = [_place_like(targets[p], x) if p in tensors else saved["values"][p] for p, x in zip(paths, leaves)]
     return rebuild(out), saved["step"]
-
