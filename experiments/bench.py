@@ -1,60 +1,85 @@
 """Our layouts against torch's own wrappers, side by side (a benchmark, not a test).
 
-``python -m experiments.bench [--quick] [--pairs dp zero3] [--steps 20] [--csv bench.csv]``
+``python -m experiments.bench [--quick] [--config gpt_small comm] [--pairs dp zero3 tp+sp zero3+tp+sp]
+[--steps 20] [--batch N] [--csv bench.csv]``
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
-same ``models.gpt`` weights, global batch, fp32 and AdamW(1e-3):
+same ``models.gpt`` weights, global batch, fp32 and AdamW(1e-3). The torch side is
+:class:`experiments.native_gpt.NativeGpt` — ``nn.Embedding``/``nn.Linear``/RMSNorm modules holding
+the same weights, whose ``forward`` is ``gpt.loss`` — wrapped the way a PyTorch user would:
 
-- ``dp`` vs ``DistributedDataParallel``; ``zero3`` vs FSDP2 ``fully_shard`` (one group: the model's
-  blocks are dicts of tensors, not modules, so there is no per-block wrapping to give FSDP2).
+=================  ============================  ====================================================
+pair (ours)        our mesh                      torch side
+=================  ============================  ====================================================
+``dp``             ``Mesh(dp=4)``                ``DistributedDataParallel``
+``zero3``          ``Mesh(dp=4)``                FSDP2 ``fully_shard`` per block, then the root
+``tp+sp``          ``Mesh(tp=4)``                ``parallelize_module`` with torchtitan's plan
+                                                 (``native_gpt.tp_plan``) on a 1-D tp mesh, loss_parallel
+``zero3+tp+sp``    ``Mesh(dp=2, tp=2)``          that plan on ``mesh["tp"]`` of a (dp=2, tp=2)
+                                                 ``init_device_mesh``, then FSDP2 on ``mesh["dp"]``
+=================  ============================  ====================================================
 
-The torch side is an ``nn.Module`` holding the same tensors as parameters whose ``forward`` calls
-``gpt.loss`` on them, so both sides run the same math; the bench checks their step-1 losses agree.
-Reported per side: median step time after warm-up, ours/native, peak memory per rank (growth of
-the process's max RSS during the run, the max over ranks: CPU tensors have no allocator counter),
-and comm bytes per rank per step (ours: counted by ``shardings.accounting``; native: the ring
-volume its collectives must move, 2(n-1)/n·4P for DDP, 3(n-1)/n·4P for FSDP2).
-``tp+sp`` and ``zero3+tp+sp`` against ``parallelize_module`` are not here yet: the gpt model has
-no ``nn.Linear`` modules for Colwise/Rowwise plans to attach to.
+The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side: median step time
+after warm-up, ours/native, peak memory per rank (growth of the process's max RSS during the run,
+the max over ranks: CPU tensors have no allocator counter), and comm bytes per rank per step, both
+*measured* by ``shardings.accounting.comms()`` around the step: it sees DDP's bucket all-reduces,
+FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the dispatcher as
+c10d ops). It does not see collectives DTensor issues from inside an op's own dispatch — on the
+torch side only ``loss_parallel``'s all-reduces of a few floats per token (under 0.1% here).
+
+Configs: ``gpt_small`` (compute-bound on CPU), ``comm`` (wide and short, 4 sequences of 16 tokens:
+communication dominates), ``quick`` (``--quick``: a tiny smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import resource
 import statistics
 import time
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
 
 import core
 import models.gpt as gpt
 import shardings
-from core import tree
+from experiments import native_gpt
+
+
+class _Config(NamedTuple):
+    model: dict[str, Any]  # gpt.Config fields
+    batch: int  # global batch (rows); divisible by every pair's dp size
+
 
 _CONFIGS = {
-    "gpt_small": dict(vocab=2048, dim=256, layers=4, heads=8, mlp=768, seq_len=128),
-    "quick": dict(vocab=64, dim=32, layers=1, heads=4, mlp=64, seq_len=16),
+    "gpt_small": _Config(dict(vocab=2048, dim=256, layers=4, heads=8, mlp=768, seq_len=128), 8),
+    # ~9M params but 64 tokens per step: moving 36 MB of grads dwarfs the matmuls.
+    "comm": _Config(dict(vocab=2048, dim=512, layers=2, heads=8, mlp=1536, seq_len=16), 4),
+    "quick": _Config(dict(vocab=64, dim=32, layers=1, heads=4, mlp=64, seq_len=16), 8),
 }
-_NATIVE = {"dp": "DDP", "zero3": "FSDP2"}
 
 
-class _Gpt(nn.Module):
-    """The gpt parameter tree as ``nn.Parameter`` leaves; ``forward`` is ``gpt.loss`` on them."""
+class _Pair(NamedTuple):
+    native: str  # the torch-native name in the table
+    mesh: dict[str, int]  # our mesh's axis sizes (the torch side uses the same dp x tp split)
 
-    def __init__(self, params: dict, cfg: gpt.Config):
-        super().__init__()
-        leaves, self._treedef = tree.flatten(params)
-        self.cfg = cfg
-        self.leaves = nn.ParameterList([nn.Parameter(x.detach().clone()) for x in leaves])
 
-    def forward(self, batch: dict) -> torch.Tensor:
-        # FSDP2 swaps unsharded parameters into the list before forward, so read them here.
-        return gpt.loss(tree.unflatten(self._treedef, list(self.leaves)), batch, self.cfg)
+_PAIRS = {
+    "dp": _Pair("DDP", {"dp": 4}),
+    "zero3": _Pair("FSDP2", {"dp": 4}),
+    "tp+sp": _Pair("parallelize_module", {"tp": 4}),
+    "zero3+tp+sp": _Pair("FSDP2+TP", {"dp": 2, "tp": 2}),
+}
 
 
 def _rss_mb() -> float:
@@ -73,91 +98,125 @@ def _timed(step, steps: int, warmup: int) -> tuple[list[float], float]:
     return times[warmup:], first_loss
 
 
+def _ours(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, comm: list[int]):
+    mesh = shardings.Mesh(**sizes)
+    params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
+    loss_fn = functools.partial(gpt.loss, cfg=cfg)
+    ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh)
+    state = [params, ts.init(params)]
+
+    def step() -> float:
+        state[0], state[1], m = ts(state[0], state[1], batch)
+        comm[0] = m["comm_bytes"]
+        return m["loss"]
+
+    return step
+
+
+def _wrap_native(model: native_gpt.NativeGpt, layout: str, sizes: dict[str, int]) -> tuple[Any, int]:
+    """The torch-native wrapping of ``model`` for ``layout``; returns it and this rank's dp index."""
+    dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
+    dp_mesh = None
+    if tp > 1:
+        names = ("dp", "tp") if dp > 1 else ("tp",)
+        mesh = init_device_mesh("cpu", (dp, tp) if dp > 1 else (tp,), mesh_dim_names=names)
+        model = native_gpt.parallelize(model, mesh["tp"])
+        dp_mesh = mesh["dp"] if dp > 1 else None
+    elif layout == "zero3":
+        dp_mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+    if layout == "dp":
+        return DistributedDataParallel(model), dist.get_rank()
+    if dp_mesh is not None:  # FSDP2: one all-gather group per block, then the rest (embeddings, norm)
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model, 0 if dp_mesh is None else dp_mesh.get_local_rank()
+
+
+def _native(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, comm: list[int]):
+    model, dp_rank = _wrap_native(native_gpt.from_params(gpt.init(core.random.key(0), cfg), cfg), layout, sizes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    rows = len(batch["tokens"]) // sizes.get("dp", 1)
+    local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    vocab_parallel = loss_parallel if "tp" in sizes else contextlib.nullcontext
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        with shardings.comms() as c, vocab_parallel():
+            loss = model(local)
+            loss.backward()
+            opt.step()
+        comm[0] = c.total_bytes()
+        mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+        dist.all_reduce(mean)  # the global-batch loss: equal token counts per dp rank, equal losses across tp
+        return float(mean) / dist.get_world_size()
+
+    return step
+
+
 def _worker(side: str, layout: str, cfg_kw: dict, batch_size: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     cfg = gpt.Config(**cfg_kw)
     rss0 = _rss_mb()
     batch = gpt.example_batch(cfg, batch_size)
-    n, rank = dist.get_world_size(), dist.get_rank()
     comm = [0]
-    if side == "ours":
-        mesh = shardings.Mesh(dp=n)
-        params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
-        ts = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.adamw(1e-3), layout=layout,
-                                  mesh=mesh)
-        state = [params, ts.init(params)]
-
-        def step() -> float:
-            state[0], state[1], m = ts(state[0], state[1], batch)
-            comm[0] = m["comm_bytes"]
-            return m["loss"]
-    else:
-        from torch.distributed.fsdp import fully_shard
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = _Gpt(gpt.init(core.random.key(0), cfg), cfg)
-        four_p = sum(4 * p.numel() for p in model.parameters())
-        if layout == "dp":
-            model, comm[0] = DistributedDataParallel(model), 2 * (n - 1) * four_p // n
-        else:
-            fully_shard(model)
-            comm[0] = 3 * (n - 1) * four_p // n
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        rows = batch_size // n
-        local = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
-
-        def step() -> float:
-            opt.zero_grad(set_to_none=True)
-            loss = model(local)
-            loss.backward()
-            opt.step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)  # the global-batch loss (equal token counts per rank)
-            return float(mean) / n
-
+    step = (_ours if side == "ours" else _native)(layout, _PAIRS[layout].mesh, cfg, batch, comm)
     times, loss = _timed(step, steps, warmup)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
     return {"times": times, "loss": loss, "peak_mb": peak, "comm_bytes": comm[0]}
 
 
-def run(pairs: list[str], config: str, batch_size: int, steps: int, warmup: int) -> list[dict]:
+def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int) -> list[dict]:
     """Run each pair on 4 ranks and return one row per pair (times in ms, memory in MB).
 
-    >>> rows = run(["dp"], "quick", 8, steps=3, warmup=1)  # doctest: +SKIP
+    Raises:
+        RuntimeError: the two sides' step-1 losses differ (they do not run the same model).
+
+    >>> rows = run(["tp+sp"], "quick", None, steps=3, warmup=1)  # doctest: +SKIP
+    >>> rows[0]["pair"]  # doctest: +SKIP
+    'tp+sp vs parallelize_module'
     """
+    model_kw, default_batch = _CONFIGS[config]
+    batch_size = batch_size or default_batch
     rows = []
     for layout in pairs:
+        native = _PAIRS[layout].native
         res = {
-            side: shardings.launch(_worker, 4, side, layout, _CONFIGS[config], batch_size, steps, warmup)
+            side: shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup)
             for side in ("ours", "native")
         }
         med = {s: statistics.median(statistics.median(r["times"]) for r in res[s]) * 1e3 for s in res}
         loss = {s: res[s][0]["loss"] for s in res}
         if abs(loss["ours"] - loss["native"]) > 1e-4 * max(1.0, abs(loss["native"])):
-            raise RuntimeError(f"bench {layout}: step-1 losses differ: ours {loss['ours']} vs "
-                               f"{_NATIVE[layout]} {loss['native']}. Fix: the two sides do not run the same model.")
+            raise RuntimeError(
+                f"bench {layout} ({config}): step-1 losses differ: ours {loss['ours']} vs {native} "
+                f"{loss['native']}. Fix: the two sides do not run the same model."
+            )
         rows.append({
-            "config": config, "pair": f"{layout} vs {_NATIVE[layout]}", "steps": steps,
+            "config": config, "pair": f"{layout} vs {native}", "steps": steps,
             "ours_ms": round(med["ours"], 2), "native_ms": round(med["native"], 2),
             "ratio": round(med["ours"] / med["native"], 3),
             "ours_peak_mb": round(max(r["peak_mb"] for r in res["ours"]), 1),
             "native_peak_mb": round(max(r["peak_mb"] for r in res["native"]), 1),
-            "ours_comm_bytes": res["ours"][0]["comm_bytes"], "native_comm_bytes": res["native"][0]["comm_bytes"],
+            "ours_comm_bytes": max(r["comm_bytes"] for r in res["ours"]),
+            "native_comm_bytes": max(r["comm_bytes"] for r in res["native"]),
             "loss_ours": round(loss["ours"], 6), "loss_native": round(loss["native"], 6),
-        })
+        })  # fmt: skip
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 timed steps (a smoke run)")
-    parser.add_argument("--pairs", nargs="+", default=list(_NATIVE), choices=list(_NATIVE))
+    parser.add_argument("--pairs", nargs="+", default=list(_PAIRS), choices=list(_PAIRS))
+    parser.add_argument("--config", nargs="+", default=["gpt_small"], choices=["gpt_small", "comm"],
+                        help="model configs to run (gpt_small: compute-bound; comm: communication dominates)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side (median reported)")
-    parser.add_argument("--batch", type=int, default=8, help="global batch size (rows)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch size (rows); default per config")
     parser.add_argument("--csv", default="bench.csv", help="where to write the table")
     args = parser.parse_args(argv)
-    config, steps, warmup = ("quick", 3, 1) if args.quick else ("gpt_small", args.steps, 3)
-    rows = run(args.pairs, config, args.batch, steps, warmup)
+    configs, steps, warmup = (["quick"], 3, 1) if args.quick else (args.config, args.steps, 3)
+    rows = [r for config in configs for r in run(args.pairs, config, args.batch, steps, warmup)]
     cols = list(rows[0])
     print(" | ".join(cols))
     for r in rows:
