@@ -1,10 +1,14 @@
-"""experiments.bench --quick: dp vs DDP on 4 gloo ranks computes the same loss and fills the table."""
+"""experiments.bench --quick: each side on 4 gloo ranks computes the same loss; comm bytes are measured."""
 
 import csv
 
 import pytest
 
+import models.gpt as gpt
 from experiments import bench
+
+CFG = gpt.Config(**bench._CONFIGS["quick"].model)
+FOUR_P = 4 * (2 * CFG.vocab * CFG.dim + CFG.dim + CFG.layers * (2 * CFG.dim + 4 * CFG.dim**2 + 3 * CFG.dim * CFG.mlp))
 
 
 @pytest.mark.multiprocess
@@ -12,6 +16,22 @@ def test_quick_dp_vs_ddp_same_loss_and_a_csv_row(tmp_path):
     out = tmp_path / "bench.csv"
     (row,) = bench.main(["--quick", "--pairs", "dp", "--csv", str(out)])
     assert row["pair"] == "dp vs DDP" and row["loss_ours"] == row["loss_native"]
-    assert row["ours_ms"] > 0 and row["native_ms"] > 0 and row["ours_comm_bytes"] == row["native_comm_bytes"]
+    assert row["ours_ms"] > 0 and row["native_ms"] > 0
+    # Measured, not a formula: DDP's bucket all-reduce moves exactly the ring volume 2(n-1)/n · 4P;
+    # ours adds only the step's metric all-reduces (loss, token count: a few bytes).
+    assert row["native_comm_bytes"] == 2 * 3 * FOUR_P // 4
+    assert 0 <= row["ours_comm_bytes"] - row["native_comm_bytes"] < 64
     (written,) = list(csv.DictReader(out.open()))
     assert written["pair"] == "dp vs DDP"
+
+
+@pytest.mark.multiprocess
+def test_quick_tp_sp_vs_parallelize_module_same_loss_and_measured_comms(tmp_path):
+    (row,) = bench.main(["--quick", "--pairs", "tp+sp", "--csv", str(tmp_path / "bench.csv")])
+    assert row["pair"] == "tp+sp vs parallelize_module" and row["loss_ours"] == row["loss_native"]
+    # The TP plan's collectives are seen: per block 2 all-gathers + 2 reduce-scatters of the
+    # (batch, seq, dim) activations, plus the embedding's reduce-scatter and the unembedding's
+    # all-gather; as many again in backward; each moves (n-1)/n of the buffer.
+    activations = 4 * bench._CONFIGS["quick"].batch * CFG.seq_len * CFG.dim
+    assert row["native_comm_bytes"] == 2 * (4 * CFG.layers + 2) * 3 * activations // 4
+    assert row["ours_comm_bytes"] > 0
