@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from core import tree
+from core.optim.foreach import columns, use_foreach
 
 __all__ = [
     "EmptyState",
@@ -115,7 +116,9 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
     {'w': tensor([0.5000, 0.5000])}
     """
-    return tree.map(lambda p, u: p if u is None else (p + u).to(p.dtype), params, updates)
+    k, (us, ps), rebuild = columns(updates, params)
+    new = [x.to(p.dtype) for x, p in zip(k.add(ps, us), ps)]
+    return tree.map(lambda p, x: p if x is None else x, params, rebuild(new))
 
 
 def global_norm(updates: PyTree) -> torch.Tensor:
@@ -128,9 +131,14 @@ def global_norm(updates: PyTree) -> torch.Tensor:
     >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
     tensor(5.)
     """
-    squares = [u.float().square().sum() for u in tree.leaves(updates) if isinstance(u, torch.Tensor)]
-    if not squares:
+    leaves = [u for u in tree.leaves(updates) if isinstance(u, torch.Tensor)]
+    if not leaves:
         return torch.zeros([], dtype=torch.float32)
+    if use_foreach(leaves) and not any(hasattr(u, "full_tensor") for u in leaves):
+        # One foreach kernel for the per-leaf norms, then the norm of the norms (as
+        # torch.nn.utils.clip_grad_norm_): equal to the sum of squares up to float rounding.
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)))
+    squares = [u.float().square().sum() for u in leaves]
     total = sum(squares[1:], squares[0])
     # A DTensor total is reduced once and brought back as a plain 0-d tensor (no import of
     # torch.distributed here: core stays distribution-free), so it scales plain and DTensor leaves alike.

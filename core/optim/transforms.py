@@ -20,11 +20,11 @@ from core.optim.base import (
     ScalarOrSchedule,
     Schedule,
     global_norm,
-    map_updates,
     optim_error,
     zero_count,
     zeros_like_params,
 )
+from core.optim.foreach import columns
 
 __all__ = [
     "ScaleByAdamState",
@@ -71,7 +71,13 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     >>> scale(-2.0).update({"w": torch.ones(1)}, EmptyState())[0]
     {'w': tensor([-2.])}
     """
-    return _stateless(lambda updates, params: map_updates(lambda u: u * step_size, updates))
+    return _stateless(lambda updates, params: _scale_all(updates, step_size))
+
+
+def _scale_all(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
+    """``u * factor`` for every update (``None`` kept)."""
+    k, (us,), rebuild = columns(updates)
+    return rebuild(k.mul(us, factor))
 
 
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
@@ -87,7 +93,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
     def update(updates: PyTree, state: ScaleByScheduleState, params: PyTree = None) -> tuple[PyTree, Any]:
         factor = schedule(state.count)
-        return map_updates(lambda u: u * factor, updates), ScaleByScheduleState(state.count + 1)
+        return _scale_all(updates, factor), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update)
 
@@ -130,7 +136,9 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: MaskOrFn = None) -> Gra
                 "add_decayed_weights (weight decay) needs the params", "call update(grads, state, params)"
             )
         keep = _resolve_mask(mask, params)
-        return map_updates(lambda u, p, m: u + weight_decay * p if m else u, updates, params, keep)
+        k, (us, ps, ms), rebuild = columns(updates, params, keep)
+        decayed = iter(k.add([u for u, m in zip(us, ms) if m], k.mul([p for p, m in zip(ps, ms) if m], weight_decay)))
+        return rebuild([next(decayed) if m else u for u, m in zip(us, ms)])
 
     return _stateless(decay)
 
@@ -174,9 +182,10 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         return TraceState(zeros_like_params(params))
 
     def update(updates: PyTree, state: TraceState, params: PyTree = None) -> tuple[PyTree, TraceState]:
-        new_trace = map_updates(lambda g, t: t * decay + g, updates, state.trace)
-        out = map_updates(lambda g, t: g + decay * t, updates, new_trace) if nesterov else new_trace
-        return out, TraceState(new_trace)
+        k, (gs, ts), rebuild = columns(updates, state.trace)
+        new_trace = k.add(k.mul(ts, decay), gs)
+        out = k.add(gs, k.mul(new_trace, decay)) if nesterov else new_trace
+        return rebuild(out), TraceState(rebuild(new_trace))
 
     return GradientTransformation(init, update)
 
@@ -202,10 +211,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         count = state.count + 1
         t = count.to(torch.float32)
         bias1, bias2_sqrt = _one_minus_pow(b1, t), _one_minus_pow(b2, t).sqrt()
-        mu = map_updates(lambda g, m: m.lerp(g, 1 - b1), updates, state.mu)
-        nu = map_updates(lambda g, v: v.mul(b2).addcmul(g, g, value=1 - b2), updates, state.nu)
-        out = map_updates(lambda m, v: (m / bias1) / (v.sqrt() / bias2_sqrt + eps), mu, nu)
-        return out, ScaleByAdamState(count, mu, nu)
+        k, (gs, ms, vs), rebuild = columns(updates, state.mu, state.nu)
+        mu = k.lerp(ms, gs, 1 - b1)
+        nu = k.addcmul(k.mul(vs, b2), gs, gs, value=1 - b2)
+        out = k.div(k.div(mu, bias1), k.add(k.div(k.sqrt(nu), bias2_sqrt), eps))
+        return rebuild(out), ScaleByAdamState(count, rebuild(mu), rebuild(nu))
 
     return GradientTransformation(init, update)
 
@@ -238,6 +248,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def clip(updates: PyTree, params: PyTree) -> PyTree:
         factor = (max_norm / (global_norm(updates) + 1e-6)).clamp(max=1.0)
-        return map_updates(lambda u: u * factor.to(u.dtype), updates)
+        k, (us,), rebuild = columns(updates)
+        dtypes = {u.dtype for u in us}
+        # One factor per dtype, rounded like each update; a single 0-d tensor when all dtypes agree.
+        by_dtype = factor.to(*dtypes) if len(dtypes) == 1 else [factor.to(u.dtype) for u in us]
+        return rebuild(k.mul(us, by_dtype))
 
     return _stateless(clip)
