@@ -8,6 +8,7 @@ from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
 from shardings.errors import ShardingError
 from shardings.initialize import init
 from shardings.launch import LaunchError, launch
+from shardings.local_einsum import einsum
 from shardings.mesh import Mesh, NamedSharding, P
 from shardings.ring_attention import attention
 from shardings.rules import Rules, annotate, logical_to_spec, logical_to_specs
@@ -35,6 +36,7 @@ __all__ = [
     "comms",
     "constrain",
     "current",
+    "einsum",
     "gather",
     "init",
     "launch",
