@@ -25,7 +25,8 @@ the max over ranks: CPU tensors have no allocator counter), and comm bytes per r
 *measured* by ``shardings.accounting.comms()`` around the step: it sees DDP's bucket all-reduces,
 FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the dispatcher as
 c10d ops). It does not see collectives DTensor issues from inside an op's own dispatch — on the
-torch side only ``loss_parallel``'s all-reduces of a few floats per token (under 0.1% here).
+torch side only ``loss_parallel``'s all-reduces of a few floats per token (~0.1% of gpt_small's TP
+traffic); the same blind spot holds for ours (a redistribution DTensor makes implicitly inside an op).
 
 Configs: ``gpt_small`` (compute-bound on CPU), ``comm`` (wide and short, 4 sequences of 16 tokens:
 communication dominates), ``quick`` (``--quick``: a tiny smoke run).
