@@ -16,22 +16,22 @@ search over redistributions that costs minutes on a 3-D mesh when ``(batch, seq)
 differently in two operands, two indices on one axis, an uneven split, ``...``) falls back to ``einops.einsum`` on
 the DTensors: never wrong, only slower.
 
-Gradients are exact by construction: the local einsum is differentiated by autograd between
-``to_local`` and ``from_local``. In backward the output cotangent is redistributed to the output's
-placements with ``Partial`` → replicated (the transpose of a sum is a broadcast), and an operand
-replicated over an axis that another index splits gets its gradient as ``Partial`` there (each
-rank saw only its block of that index).
+Gradients are the transpose of the same local program: in backward the output cotangent is
+redistributed to the output's placements with ``Partial`` → replicated (the transpose of a sum is a
+broadcast), each operand's gradient is an einsum of blocks, and an operand replicated over an axis
+that another index splits gets its gradient as ``Partial`` there (each rank saw only its block of
+that index).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import einops
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from shardings.lower import from_placements, mesh_of, to_placements
 from shardings.mesh import Mesh, P
@@ -77,16 +77,52 @@ def einsum(*tensors_and_pattern: torch.Tensor | str) -> torch.Tensor:
 
 
 def _local_einsum(pattern: str, operands: list[DTensor], plan: _Plan) -> DTensor:
-    device_mesh = operands[0].device_mesh
-    blocks = [x.to_local(grad_placements=g) for x, g in zip(operands, plan.grad_placements, strict=True)]
-    out = einops.einsum(*blocks, pattern)
+    return _LocalEinsum.apply(pattern, plan, *operands)
+
+
+class _LocalEinsum(torch.autograd.Function):
+    """The einsum of each rank's blocks; backward is the einsum transpose on blocks, laid out by the plan.
+
+    The operands are saved as DTensors (not their local blocks) so that saved-tensor hooks see them:
+    ZeRO-3 (:mod:`shardings.gather_params`) recognizes a gathered parameter and re-gathers it in
+    backward instead of keeping it alive.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, pattern: str, plan: _Plan, *operands: DTensor) -> DTensor:
+        ctx.pattern, ctx.plan = pattern, plan
+        ctx.save_for_backward(*operands)
+        out = einops.einsum(*(x.to_local() for x in operands), pattern)
+        return _wrap(out, operands[0].device_mesh, plan.out_placements, plan.out_shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor | None, ...]:
+        operands, plan = ctx.saved_tensors, ctx.plan
+        # the cotangent of a Partial output is replicated: each rank's partial sum feeds the whole
+        out_layout = tuple(Replicate() if isinstance(p, Partial) else p for p in plan.out_placements)
+        g = grad.redistribute(grad.device_mesh, out_layout).to_local()
+        inputs, output = _parse(ctx.pattern, [x.ndim for x in operands])
+        blocks = [x.to_local() for x in operands]
+        grads: list[DTensor | None] = []
+        for i, (x, letters) in enumerate(zip(operands, inputs, strict=True)):
+            if not ctx.needs_input_grad[2 + i]:
+                grads.append(None)
+                continue
+            others = [(b, names) for j, (b, names) in enumerate(zip(blocks, inputs)) if j != i]
+            seen = set(output).union(*(names for _, names in others))
+            kept = [letter for letter in letters if letter in seen]  # a letter only here was summed: broadcast back
+            terms = ", ".join(" ".join(names) for names in (output, *(names for _, names in others)))
+            local = einops.einsum(g, *(b for b, _ in others), f"{terms} -> {' '.join(kept)}")
+            if len(kept) < len(letters):
+                sizes = {k: n for k, n in zip(letters, blocks[i].shape) if k not in seen}
+                local = einops.repeat(local, f"{' '.join(kept)} -> {' '.join(letters)}", **sizes)
+            grads.append(_wrap(local, x.device_mesh, plan.grad_placements[i], tuple(x.shape)))
+        return None, None, *grads
+
+
+def _wrap(local: torch.Tensor, device_mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> DTensor:
     return DTensor.from_local(
-        out,
-        device_mesh,
-        plan.out_placements,
-        run_check=False,
-        shape=torch.Size(plan.out_shape),
-        stride=_global_stride(out, plan.out_shape),
+        local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=_global_stride(local, shape)
     )
 
 

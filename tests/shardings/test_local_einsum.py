@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import Mesh, P, comms, einsum, shard, simulate, spec_of, unwrap
+from shardings.gather_params import regather_in_backward, to_compute
 from shardings.local_einsum import _plan_for
 from shardings.testing import meshes
 
@@ -143,3 +144,18 @@ def test_partial_operand_falls_back_exactly():
         assert _plan_for("i j, j k -> i k", [halves, b_rep]) is None
         out = einsum(halves, b_rep, "i j, j k -> i k")
         torch.testing.assert_close(unwrap(out.full_tensor()), a @ b)
+
+
+def test_zero3_gathered_weight_is_regathered_in_backward_not_kept():
+    """The local path saves its DTensor operands, so ZeRO-3's saved-tensor hook still swaps a gathered
+    weight for its shard and gathers it again in backward (one all-gather), as DTensor's einsum did."""
+    with simulate(2):
+        mesh = Mesh(dp=2)
+        w = shard(torch.randn(4, 3), P("dp"), mesh).requires_grad_()
+        x = shard(torch.randn(2, 4), P("dp"), mesh).requires_grad_()
+        with regather_in_backward():
+            out = einsum(x, to_compute(w, (Replicate(),)), "b e, e f -> b f")
+        with comms() as c:
+            torch.autograd.grad(out, [x, w], shard(torch.randn(2, 3), P("dp"), mesh))
+        rows = {(r["kind"], r["axis"]): r["count"] for r in c.rows()}
+        assert rows == {("all_gather", "dp"): 1, ("reduce_scatter", "dp"): 1}
