@@ -21,6 +21,7 @@ each microbatch's mean is weighted by its share of the step's tokens.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import core
 from core import tree
-from shardings import accounting, buckets, layouts, lower
+from shardings import accounting, buckets, layouts, local_step, lower
 from shardings.context import use
 from shardings.distribute import shard
 from shardings.errors import sharding_error
@@ -66,22 +67,25 @@ class Plan(NamedTuple):
     specs: dict[str, Any]
     placements: dict[str, list]
     treedef: Any
+    local: local_step.LocalPlan | None  # set when the layout runs its loss on local tensors
 
 
 class TrainStep:
     """A jit-free, pure train step. Build with :func:`train_step`."""
 
     def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
-                 precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB):
+                 precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True,
+                 count_comms=True):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.loss_fn, self.mesh, self.axes = loss_fn, mesh, axes
         self.layout = layouts.get(layout)
         layouts.validate(self.layout, mesh)
         self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
-        self.bucket_mb = bucket_mb
-        clip = [core.optim.clip_by_global_norm(clip_norm)] if clip_norm is not None else []
-        self.optimizer = core.optim.chain(*clip, optimizer) if clip else optimizer
+        self.bucket_mb, self.local, self.count_comms = bucket_mb, local, count_comms
+        self._clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
+        self._inner = optimizer
+        self.optimizer = core.optim.chain(self._clip, optimizer) if self._clip else optimizer
         self._plan: Plan | None = None
 
     # -- planning ---------------------------------------------------------------------------------
@@ -95,7 +99,9 @@ class TrainStep:
                 r: [lower.to_placements(s, self.mesh, len(p.shape)) for s, p in zip(flat[r], tree.leaves(params))]
                 for r in _ROLES
             }
-            self._plan = Plan(specs, placements, tree.structure(params))
+            local = self.local and local_step.plan(placements, tree.leaves(params), self.layout, self.mesh,
+                                                   self.bucket_mb)
+            self._plan = Plan(specs, placements, tree.structure(params), local or None)
         return self._plan
 
     def _to(self, role: str, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -113,6 +119,11 @@ class TrainStep:
         """``(loss, grads, tokens)``; grads are reduced and laid out like the optimizer state."""
         plan = self.plan(params)
         batch = self._place_batch(batch)
+        if plan.local is not None:
+            rows = [tree.map(lambda x: x.to_local(), mb) for mb in self._microbatches(batch)]
+            loss, g, tokens = local_step.run(plan.local, self.mesh, self.loss_fn, plan.treedef, tree.leaves(params),
+                                             rows, self.token_count, self._cast_compute, plan.placements["opt_state"])
+            return loss, tree.unflatten(plan.treedef, g), tokens
         leaves = [p.detach().requires_grad_(True) for p in tree.leaves(params)]
         reduce_now = self._reduce_in_backward()
         hooks = [p.register_hook(self._reducer(i)) for i, p in enumerate(leaves) if reduce_now[i]]
@@ -140,6 +151,18 @@ class TrainStep:
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         """One optimizer update in the ``opt_state`` layout; returns params in storage layout."""
         plan = self.plan(params)
+        if plan.local is not None and getattr(self._inner, "elementwise", False):
+            # Local blocks: a clip's global norm first (on the DTensors), then the elementwise rest.
+            with torch.no_grad():
+                if self._clip is not None:
+                    grads, inner_state = self._clip.update(grads, opt_state[0])[0], opt_state[1]
+                else:
+                    inner_state = opt_state
+                new, inner_state = local_step.apply(plan.local, self.mesh, self._inner, plan.treedef,
+                                                    tree.leaves(params), inner_state, tree.leaves(grads),
+                                                    plan.placements["opt_state"], plan.placements["params"])
+            state = (opt_state[0], inner_state) if self._clip is not None else inner_state
+            return tree.unflatten(plan.treedef, new), state
         with torch.no_grad():
             p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
             updates, opt_state = self.optimizer.update(grads, opt_state, p_opt)
@@ -149,16 +172,15 @@ class TrainStep:
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """``(params, opt_state, metrics)`` after one step on ``batch``."""
         # Counted: the step's own communication. Metrics (norm, loss, tokens) are reduced after it.
-        with accounting.comms() as c:
+        with accounting.comms() if self.count_comms else contextlib.nullcontext() as c:
             loss, grads, tokens = self.grads(params, batch)
             new_params, new_state = self.apply(params, opt_state, grads)
-        grad_norm = core.optim.global_norm(grads)
         metrics = {
             "loss": _scalar(loss),
-            "grad_norm": _scalar(grad_norm),
+            "grad_norm": _scalar(core.optim.global_norm(grads)),
             "tokens": int(_scalar(tokens)),
-            "comm": c.rows(),
-            "comm_bytes": c.total_bytes(),
+            "comm": c.rows() if c else None,
+            "comm_bytes": c.total_bytes() if c else None,
             "memory": {
                 "params": accounting.memory(new_params),
                 "grads": self._grad_bytes(params, grads),
@@ -250,7 +272,8 @@ def _recorded_axes(params: Any) -> Any:
 def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, layout: Any, mesh: Mesh,
                axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
                token_count: Callable[[Any], torch.Tensor] = default_token_count,
-               bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB) -> TrainStep:
+               bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
+               count_comms: bool = True) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -265,6 +288,12 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         token_count: ``batch -> tokens`` used to weight microbatches (labels ≠ -100 by default).
         bucket_mb: gradients all-reduced after backward are packed into flat buckets of this many MB,
             one collective per bucket (``shardings.buckets``); ``None`` or ``0``: one per gradient.
+        local: run the loss on local tensors when the layout only splits the batch (``dp``, ZeRO,
+            ``hsdp``): collectives bucketed and overlapped with backward (``shardings.local_step``).
+            ``False`` keeps DTensors throughout (same results, slower).
+        count_comms: count the step's collectives into ``metrics["comm"]``/``["comm_bytes"]``
+            (``shardings.comms()``, a dispatch mode that sees every op: it costs time; ``False``
+            for timing runs, and those metrics are ``None``).
 
     Returns:
         A :class:`TrainStep`: ``opt_state = step.init(params)``, then
@@ -274,4 +303,5 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     ...                   layout="zero3+tp", mesh=Mesh(dp=2, tp=2))
     """
     return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
-                     clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb)
+                     clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
+                     local=local, count_comms=count_comms)

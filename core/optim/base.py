@@ -42,10 +42,15 @@ class GradientTransformation(NamedTuple):
     Attributes:
         init: ``init(params) -> state``; the state is a pytree (usually a NamedTuple).
         update: ``update(updates, state, params=None) -> (updates, new_state)``.
+        elementwise: each output element depends only on the same element of the updates, state
+            and params (plus step-count scalars), so the update may run on any shard of them
+            alone (a sharded train step runs it on local blocks). ``False`` for anything that
+            reduces across elements, such as a global-norm clip.
     """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[..., tuple[PyTree, PyTree]]
+    elementwise: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -55,11 +60,6 @@ class EmptyState(NamedTuple):
 def optim_error(problem: str, fix: str, cls: type[Exception] = ValueError) -> Exception:
     """Build (not raise) a user-facing error that ends with the fix, in the project's wording."""
     return cls(f"{problem}. Fix: {fix.rstrip('.')}.")
-
-
-def map_updates(fn: Callable[..., Any], updates: PyTree, *rest: PyTree) -> PyTree:
-    """``tree.map`` that leaves ``None`` updates (leaves without a gradient) as ``None``."""
-    return tree.map(lambda u, *r: None if u is None else fn(u, *r), updates, *rest)
 
 
 def zeros_like_params(params: PyTree) -> PyTree:
@@ -107,7 +107,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, all(t.elementwise for t in transforms))
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
@@ -137,6 +137,7 @@ def global_norm(updates: PyTree) -> torch.Tensor:
     if use_foreach(leaves) and not any(hasattr(u, "full_tensor") for u in leaves):
         # One foreach kernel for the per-leaf norms, then the norm of the norms (as
         # torch.nn.utils.clip_grad_norm_): equal to the sum of squares up to float rounding.
+        # DTensor leaves keep the sum of squares below: it stays Partial and is reduced once.
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)))
     squares = [u.float().square().sum() for u in leaves]
     total = sum(squares[1:], squares[0])

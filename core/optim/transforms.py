@@ -56,13 +56,13 @@ class ScaleByAdamState(NamedTuple):
     nu: PyTree  # second moment, like params
 
 
-def _stateless(fn: Callable[[PyTree, PyTree], PyTree]) -> GradientTransformation:
+def _stateless(fn: Callable[[PyTree, PyTree], PyTree], elementwise: bool = True) -> GradientTransformation:
     """A transformation without state from ``fn(updates, params) -> updates``."""
 
     def update(updates: PyTree, state: EmptyState, params: PyTree = None) -> tuple[PyTree, EmptyState]:
         return fn(updates, params), state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformation(lambda params: EmptyState(), update, elementwise)
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -95,7 +95,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
         factor = schedule(state.count)
         return _scale_all(updates, factor), ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, elementwise=True)
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule) -> GradientTransformation:
@@ -137,6 +137,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: MaskOrFn = None) -> Gra
             )
         keep = _resolve_mask(mask, params)
         k, (us, ps, ms), rebuild = columns(updates, params, keep)
+        # u + weight_decay * p on the masked-in leaves only, as two foreach ops over that subset.
         decayed = iter(k.add([u for u, m in zip(us, ms) if m], k.mul([p for p, m in zip(ps, ms) if m], weight_decay)))
         return rebuild([next(decayed) if m else u for u, m in zip(us, ms)])
 
@@ -187,7 +188,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         out = k.add(gs, k.mul(new_trace, decay)) if nesterov else new_trace
         return rebuild(out), TraceState(rebuild(new_trace))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, elementwise=True)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -217,7 +218,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         out = k.div(k.div(mu, bias1), k.add(k.div(k.sqrt(nu), bias2_sqrt), eps))
         return rebuild(out), ScaleByAdamState(count, rebuild(mu), rebuild(nu))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, elementwise=True)
 
 
 def _one_minus_pow(b: float, t: torch.Tensor) -> torch.Tensor:
@@ -254,4 +255,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         by_dtype = factor.to(*dtypes) if len(dtypes) == 1 else [factor.to(u.dtype) for u in us]
         return rebuild(k.mul(us, by_dtype))
 
-    return _stateless(clip)
+    return _stateless(clip, elementwise=False)  # the norm reduces over every element

@@ -120,12 +120,12 @@ def _rank_values(full_tree: Any) -> list[Any]:
     return [tree.unflatten(treedef, [p[r] for p in per]) for r in range(len(per[0]))]
 
 
-def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm):
+def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm, local):
     """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
     optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh)
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
-                      clip_norm=clip_norm)
+                      clip_norm=clip_norm, local=local)
     state = step.init(params)
     out = []
     for _ in range(steps):
@@ -142,8 +142,8 @@ def _worker(*args: Any) -> list[Any]:
 
 
 def _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps,
-                clip_norm):
-    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm)
+                clip_norm, local):
+    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm, local)
     if runtime == "simulate":
         with simulate(mesh.size):
             return _sharded_run(*args)
@@ -179,6 +179,7 @@ def check_equivalence(
     tree_tol: Tolerance = TREE_TOL,
     raise_on_failure: bool = True,
     runtime: str = "simulate",
+    local: bool = True,
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -203,6 +204,8 @@ def check_equivalence(
         raise_on_failure: raise :class:`EquivalenceError` when any comparison fails.
         runtime: ``"simulate"`` (ranks in this process) or ``"multiprocess"`` (real processes via
             ``shardings.launch``, gloo on CPU; every function and config passed must be picklable).
+        local: the train step's ``local`` option: data-parallel layouts run the loss on local
+            tensors (``shardings.local_step``); ``False`` checks the all-DTensor path.
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -220,7 +223,7 @@ def check_equivalence(
     for layout in layouts:
         layout = get_layout(layout)
         got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh,
-                          accum_steps, clip_norm)
+                          accum_steps, clip_norm, local)
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
             for quantity, want, tol in (("loss", ref_loss, loss_tol), ("grads", ref_grads, tree_tol),
                                         ("params", ref_params, tree_tol)):

@@ -13,7 +13,7 @@ import core
 import models.gpt as gpt
 import shardings
 from core import tree
-from shardings import Mesh, buckets, gather_params, layouts
+from shardings import Mesh, buckets, gather_params, layouts, local_step
 from shardings.testing import EquivalenceError, check_equivalence, meshes
 from shardings.testing import layouts as layout_strategy
 
@@ -67,19 +67,21 @@ def test_a_rank_dependent_model_fails_equivalence_naming_the_path():
         return shardings.shard_map(scale, ctx.mesh, in_specs=shardings.P(), out_specs=shardings.P())(loss)
 
     with pytest.raises(EquivalenceError, match=r"(?s)layout 'dp'.*differ.*worst at .*grads .* FAIL \['"):
+        # local=False: the skew needs the mesh inside the loss, which the local path does not expose.
         check_equivalence(gpt.init, skewed_loss, gpt.axes, CFG, gpt.example_batch(CFG, 2), layouts=["dp"],
-                          mesh=Mesh(dp=2), steps=1)
+                          mesh=Mesh(dp=2), steps=1, local=False)
 
 
 # -- collectives: kinds, counts, axes and bytes of one step (DESIGN §4/§6) ----------------------------------
 
 
-def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4, bucket_mb=buckets.DEFAULT_BUCKET_MB):
+def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True):
     with shardings.simulate(mesh.size):
         params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.adamw(1e-3), layout=layout,
-                                    mesh=mesh, bucket_mb=bucket_mb)
+                                    mesh=mesh, bucket_mb=bucket_mb, local=local)
         _, _, metrics = step(params, step.init(params), gpt.example_batch(cfg, batch_size))
+        metrics["local_plan"] = step.plan(params).local
     return {(r["kind"], r["axis"]): (r["count"], r["bytes"]) for r in metrics["comm"]}, metrics
 
 
@@ -91,22 +93,46 @@ def _ring(kind, n, nbytes):
     return nbytes * 2 * (n - 1) // n if kind == "all_reduce" else nbytes * (n - 1) // n
 
 
+# The local path (data-parallel layouts) all-reduces two scalars besides the layout's collectives:
+# the global token count (int64, before backward: each rank weighs its loss by its share) and the loss.
+_SCALARS = (2, _ring("all_reduce", 4, 8) + _ring("all_reduce", 4, 4))
+
+
+def _plus(a, b):
+    return (a[0] + b[0], a[1] + b[1])
+
+
+@pytest.mark.parametrize("local", [True, False])
 @pytest.mark.parametrize(("bucket_mb", "collectives"), [(25, 1), (None, len(_leaves()))])
-def test_dp_all_reduces_every_grad_over_dp_only(bucket_mb, collectives):
+def test_dp_all_reduces_every_grad_over_dp_only(bucket_mb, collectives, local):
     # Bucketed (the whole tiny model fits one 25 MB bucket) or one all-reduce per gradient: same bytes.
     n, leaves = 4, _leaves()
-    comm, _ = _one_step_comm("dp", Mesh(dp=n), bucket_mb=bucket_mb)
+    comm, metrics = _one_step_comm("dp", Mesh(dp=n), bucket_mb=bucket_mb, local=local)
     four_p = sum(4 * x.numel() for x in leaves)
-    assert comm == {("all_reduce", "dp"): (collectives, _ring("all_reduce", n, four_p))}
+    want = (collectives, _ring("all_reduce", n, four_p))
+    assert (metrics["local_plan"] is not None) == local
+    assert comm == {("all_reduce", "dp"): _plus(want, _SCALARS) if local else want}
 
 
-@pytest.mark.parametrize(("layout", "mesh"), [("dp", Mesh(dp=4)), ("dp+tp", Mesh(dp=2, tp=2))])
+@pytest.mark.parametrize(("layout", "mesh", "local"),
+                         [("dp", Mesh(dp=4), True), ("dp", Mesh(dp=4), False), ("dp+tp", Mesh(dp=2, tp=2), False)])
 @pytest.mark.parametrize("bucket_mb", [0.0001, 0.002, 25])
-def test_collective_counts_per_step_with_bucketing_match_the_bucket_plan(layout, mesh, bucket_mb, monkeypatch):
-    seen = []  # the gradients the step reduces, as backward left them
+def test_collective_counts_per_step_with_bucketing_match_the_bucket_plan(layout, mesh, local, bucket_mb, monkeypatch):
+    seen = []  # the gradients the DTensor path reduces, as backward left them
     reduce = buckets.reduce
     monkeypatch.setattr(buckets, "reduce", lambda g, t, mb: seen.append((g, t, mb)) or reduce(g, t, mb))
-    comm, _ = _one_step_comm(layout, mesh, bucket_mb=bucket_mb)
+    comm, metrics = _one_step_comm(layout, mesh, bucket_mb=bucket_mb, local=local)
+    n_grads = len(_leaves())
+    if local:  # buckets in backward order, each all-reduced as soon as its last gradient is produced
+        plan = metrics["local_plan"].reduces
+        assert not seen and comm[("all_reduce", "dp")][0] == len(plan) + _SCALARS[0]
+        assert sorted(i for b in plan for i in b) == list(range(n_grads))
+        assert [i for b in plan for i in b] == list(range(n_grads))[::-1]
+        sizes = [sum(4 * _leaves()[i].numel() for i in b) for b in plan]
+        assert all(s <= bucket_mb * 1e6 or len(b) == 1 for s, b in zip(sizes, plan))
+        if bucket_mb == 0.0001:  # 100 bytes: every leaf of CFG is bigger, so one bucket each
+            assert len(plan) == n_grads
+        return
     ((grads, targets, mb),) = seen
     with shardings.simulate(mesh.size):
         bucket_plan = buckets.plan(grads, targets, mb)
@@ -116,25 +142,45 @@ def test_collective_counts_per_step_with_bucketing_match_the_bucket_plan(layout,
     assert comm[("all_reduce", "dp")][0] == sum(isinstance(b.source[dp], Partial) for b in bucket_plan)
     assert sorted(i for b in bucket_plan for i in b.leaves) == list(range(len(grads)))
     assert all(b.nbytes <= bucket_mb * 1e6 or len(b.leaves) == 1 for b in bucket_plan)
-    if bucket_mb == 0.0001:  # 100 bytes: every leaf of CFG is bigger, so one bucket each
+    if bucket_mb == 0.0001:
         assert len(bucket_plan) == len(grads)
 
 
+@pytest.mark.parametrize("local", [True, False])
 @pytest.mark.parametrize("layout", ["zero1", "zero2"])
-def test_zero12_reduce_scatter_grads_and_all_gather_params_same_volume_as_dp(layout):
+def test_zero12_reduce_scatter_grads_and_all_gather_params_same_volume_as_dp(layout, local):
     n, leaves = 4, _leaves()
-    comm, _ = _one_step_comm(layout, Mesh(dp=n))
+    comm, _ = _one_step_comm(layout, Mesh(dp=n), local=local)
     four_p = sum(4 * x.numel() for x in leaves)
-    assert comm == {
-        ("reduce_scatter", "dp"): (len(leaves), _ring("reduce_scatter", n, four_p)),
-        ("all_gather", "dp"): (len(leaves), _ring("all_gather", n, four_p)),
+    count = 1 if local else len(leaves)  # local: one bucket each way; DTensor path: one per leaf
+    want = {
+        ("reduce_scatter", "dp"): (count, _ring("reduce_scatter", n, four_p)),
+        ("all_gather", "dp"): (count, _ring("all_gather", n, four_p)),
     }
-    assert sum(b for _, b in comm.values()) == _ring("all_reduce", n, four_p)
+    if local:
+        want[("all_reduce", "dp")] = _SCALARS
+    assert comm == want
+    assert comm[("reduce_scatter", "dp")][1] + comm[("all_gather", "dp")][1] == _ring("all_reduce", n, four_p)
 
 
 def test_zero3_gathers_forward_regathers_backward_and_reduce_scatters():
     n, params = 4, gpt.init(core.random.key(0), CFG)
     comm, _ = _one_step_comm("zero3", Mesh(dp=n))
+    four_p = sum(4 * x.numel() for x in tree.leaves(params))
+    # Local path, one bucket: all-gather it for forward, again in backward (nothing kept), then one
+    # reduce-scatter: exactly DESIGN §6's 1.5× dp.
+    assert comm == {
+        ("all_gather", "dp"): (2, _ring("all_gather", n, 2 * four_p)),
+        ("reduce_scatter", "dp"): (1, _ring("reduce_scatter", n, four_p)),
+        ("all_reduce", "dp"): _SCALARS,
+    }
+    total = sum(b for _, b in comm.values()) - _SCALARS[1]
+    assert total == 1.5 * _ring("all_reduce", n, four_p)
+
+
+def test_zero3_on_the_dtensor_path_regathers_per_weight():
+    n, params = 4, gpt.init(core.random.key(0), CFG)
+    comm, _ = _one_step_comm("zero3", Mesh(dp=n), local=False)
     four_p = sum(4 * x.numel() for x in tree.leaves(params))
     # Backward re-gathers every weight autograd needs; the embedding lookup's backward needs no weight.
     regathered = four_p - 4 * params["embed"].numel()
@@ -185,29 +231,32 @@ def test_persistent_memory_per_rank_matches_zero_stages(layout, params, grads, o
         assert got[role] == pytest.approx(factor * n_params, rel=0.05), role
 
 
-def _saved_for_backward(layout, mesh, cfg, monkeypatch):
+def _saved_for_backward(layout, mesh, cfg, monkeypatch, local):
     """Bytes autograd keeps alive for backward (per rank, max): what the step's saved-tensor hook keeps."""
-    held, pack = [], gather_params._pack
+    held = []
+    owner, name = (local_step._Gathered, "pack") if local else (gather_params, "_pack")
+    pack = getattr(owner, name)
 
-    def recording_pack(t):
-        saved = pack(t)
-        if isinstance(saved, torch.Tensor):  # a _Regather handle holds only a reference to the shard
+    def recording_pack(*args):
+        saved = pack(*args)
+        if isinstance(saved, torch.Tensor):  # a re-gather handle holds only a reference to the shard
             held.append(saved)
         return saved
 
-    monkeypatch.setattr(gather_params, "_pack", recording_pack)
+    monkeypatch.setattr(owner, name, recording_pack)
     with shardings.simulate(mesh.size):
         params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.sgd(0.1), layout=layout,
-                                    mesh=mesh)
+                                    mesh=mesh, local=local)
         step.grads(params, gpt.example_batch(cfg, 4))
         return shardings.memory(held)
 
 
-def test_zero3_keeps_no_gathered_weights_for_backward(monkeypatch):
+@pytest.mark.parametrize("local", [True, False])
+def test_zero3_keeps_no_gathered_weights_for_backward(monkeypatch, local):
     cfg = dataclasses.replace(CFG, dim=64, mlp=256, heads=4, kv_heads=4)  # weights dominate activations
-    dp = _saved_for_backward("dp", Mesh(dp=4), cfg, monkeypatch)
-    zero3 = _saved_for_backward("zero3", Mesh(dp=4), cfg, monkeypatch)
+    dp = _saved_for_backward("dp", Mesh(dp=4), cfg, monkeypatch, local)
+    zero3 = _saved_for_backward("zero3", Mesh(dp=4), cfg, monkeypatch, local)
     weights = sum(4 * x.numel() for x in _leaves(cfg))
     assert zero3 < dp - weights / 2, (dp, zero3, weights)
 

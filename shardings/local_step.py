@@ -1,0 +1,368 @@
+"""Data-parallel layouts run the loss on local tensors: DDP/FSDP's speed from the same specs.
+
+When a layout computes with every parameter replicated and splits only the batch (``dp``,
+``zero1/2/3``, ``hsdp``: no model-parallel axis in its compute or activation rules), nothing
+inside the loss needs a DTensor. Each rank's loss is the single-device loss on its own rows, so
+the train step runs ``loss_fn`` on plain local tensors — no sharding propagation, no per-op
+dispatch — and performs the layout's collectives itself, bucketed and asynchronous:
+
+- **stored sharded** (ZeRO-3, HSDP): the shards are all-gathered in buckets before the loss (all
+  buckets launched at once, each awaited when assembled). Gathered parameters saved for backward
+  are re-gathered there, one bucket at a time, prefetching the next bucket backward will need.
+  A bucket's backward reduce-scatters its gradients in one collective (then all-reduces over any
+  other data axis, HSDP), launched asynchronously and awaited after backward.
+- **stored replicated** (DP, ZeRO-1/2): gradients are packed into buckets in backward order; a
+  bucket's collective (all-reduce; reduce-scatter into ZeRO's sharded optimizer state) is
+  launched the moment its last gradient is produced, overlapping the rest of backward (DDP).
+
+Each rank weighs its loss by its share of the global token count (one scalar all-reduce), so
+the summed gradients are those of the global mean loss. Results equal the DTensor path's (the
+equivalence tests run both); :func:`plan` returns ``None`` for layouts this does not cover.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shardings.layouts import LOGICAL_NAMES, Layout
+from shardings.mesh import Mesh
+from shardings.rules import logical_to_spec
+
+__all__ = ["LocalPlan", "apply", "plan", "run"]
+
+DEFAULT_GATHER_MB = 25.0  # bucket cap for re-gathering updated ZeRO-1/2 parameters
+ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
+
+
+class LocalPlan(NamedTuple):
+    """How the local path moves each parameter and gradient.
+
+    Attributes:
+        data_dims: device-mesh dims the batch rows are split over (gradients are summed over them).
+        stored: per leaf, where its storage is split (gathered before the loss when not None).
+        target: per leaf, where its reduced gradient goes (the optimizer-state layout).
+        gathers: buckets of stored-sharded leaves, in forward order (gathered and reduced together).
+        reduces: buckets of stored-replicated leaves, in backward (reverse) order.
+    """
+
+    data_dims: tuple[int, ...]
+    stored: tuple[ShardAt, ...]
+    target: tuple[ShardAt, ...]
+    gathers: tuple[tuple[int, ...], ...]
+    reduces: tuple[tuple[int, ...], ...]
+
+
+def _split_at(placements: Sequence[Any], shape: Sequence[int], sizes: Sequence[int], data_dims) -> ShardAt | bool:
+    """Where ``placements`` split a tensor: ``None`` (replicated), ``(mesh dim, dim)``, or ``False``: unsupported."""
+    split = [(m, p.dim) for m, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not split:
+        return None
+    if len(split) > 1 or type(placements[split[0][0]]) is not Shard or split[0][0] not in data_dims:
+        return False
+    m, d = split[0]
+    return (m, d) if shape[d] % sizes[m] == 0 else False
+
+
+def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: Layout, mesh: Mesh,
+         bucket_mb: float | None) -> LocalPlan | None:
+    """The local path's plan for these parameters and layout, or ``None`` if the layout needs DTensors.
+
+    >>> plan(step.plan(params).placements, tree.leaves(params), layouts.get("dp"), Mesh(dp=4), 25)  # doctest: +SKIP
+    LocalPlan(data_dims=(0,), stored=(None, ...), ...)
+    """
+    axes = mesh.device_axes
+    batch = (*logical_to_spec(("batch", "seq"), layout.role("batch"), mesh).dim_axes(), (), ())
+    if batch[1] or not batch[0]:
+        return None
+    data_dims = tuple(axes.index(a) for a in batch[0])
+    acts = layout.activation_rules
+    if any(logical_to_spec((n,), acts, mesh).dim_axes()[:1] not in ((), ((),)) for n in LOGICAL_NAMES if n != "batch"):
+        return None
+    if any(not isinstance(p, Replicate) for pl in placements["compute"] for p in pl):
+        return None
+    sizes = [mesh.shape[a] for a in axes]
+    stored, target = [], []
+    for x, s, t in zip(params, placements["params"], placements["opt_state"]):
+        s, t = _split_at(s, x.shape, sizes, data_dims), _split_at(t, x.shape, sizes, data_dims)
+        if s is False or t is False or (s is not None and s != t):
+            return None
+        stored.append(s)
+        target.append(t)
+    gathered = [i for i, s in enumerate(stored) if s is not None]
+    kept = [i for i, s in enumerate(stored) if s is None][::-1]
+    def key(i: int) -> tuple:
+        return target[i][0] if target[i] else None, params[i].dtype
+
+    return LocalPlan(data_dims, tuple(stored), tuple(target), _buckets(gathered, params, key, bucket_mb),
+                     _buckets(kept, params, key, bucket_mb))
+
+
+def _buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bucket_mb: float | None):
+    cap = (bucket_mb or 0) * 1e6
+    out: list[list[int]] = []
+    open_: dict[Any, tuple[list[int], list[int]]] = {}  # key -> (leaves, [bytes])
+    for i in order:
+        nbytes = params[i].numel() * params[i].element_size()
+        cur = open_.get(key(i))
+        if cur is None or cur[1][0] + nbytes > cap:
+            cur = open_[key(i)] = ([], [0])
+            out.append(cur[0])
+        cur[0].append(i)
+        cur[1][0] += nbytes
+    return tuple(tuple(b) for b in out)
+
+
+# -- collectives on flat buffers ---------------------------------------------------------------------
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+class _Comm(NamedTuple):
+    mesh: Any  # DeviceMesh
+    data_dims: tuple[int, ...]
+
+    def group(self, m: int):
+        return self.mesh.get_group(m)
+
+    def size(self, m: int) -> int:
+        return self.mesh.size(m)
+
+
+def _launch_gather(comm: _Comm, shards: list[torch.Tensor], at: tuple[int, int]) -> torch.Tensor:
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    return funcol.all_gather_single(flat, 0, comm.group(at[0]))  # (n·L,), awaited on first use
+
+
+def _assemble(comm: _Comm, gathered: torch.Tensor, shards: list[torch.Tensor], at: list) -> list[torch.Tensor]:
+    n = comm.size(at[0][0])
+    rows = _wait(gathered).view(n, -1)  # (ranks, L): rank r's flat shards
+    pieces = rows.split([s.numel() for s in shards], dim=1)
+    # Shard(0): rank blocks stack in order; Shard(d): each rank's block is put back along d.
+    return [torch.cat([q.view(s.shape) for q in p.unbind(0)], dim=a[1]) if a[1]
+            else p.reshape(n * s.shape[0], *s.shape[1:]) for p, s, a in zip(pieces, shards, at)]
+
+
+def _launch_reduce(comm: _Comm, grads: list[torch.Tensor], target: list[ShardAt]) -> torch.Tensor:
+    """Sum ``grads`` over the data dims into their target layout; returns the flat local result (async)."""
+    rs = target[0][0] if target[0] is not None else None
+    if rs is None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+    else:  # rank r's chunks of every leaf, then rank r+1's: reduce-scatter leaves rank r with its chunks
+        n = comm.size(rs)
+        chunks = [g.chunk(n, dim=t[1]) for g, t in zip(grads, target)]
+        flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
+        flat = funcol.reduce_scatter_single(flat, "sum", 0, comm.group(rs))
+    for m in comm.data_dims:
+        if m != rs and comm.size(m) > 1:
+            flat = funcol.all_reduce(flat, "sum", comm.group(m))
+    return flat
+
+
+def _split_reduced(comm: _Comm, flat: torch.Tensor, like: list[torch.Tensor], target: list[ShardAt]):
+    shapes = [g.chunk(comm.size(t[0]), dim=t[1])[0].shape if t else g.shape for g, t in zip(like, target)]
+    return [p.view(s) for p, s in zip(_wait(flat).split([math.prod(s) for s in shapes]), shapes)]
+
+
+# -- one step ------------------------------------------------------------------------------------------
+class _Gathered:
+    """Stored-sharded buckets: gathered before the loss, re-gathered in backward, reduce-scattered."""
+
+    def __init__(self, comm: _Comm, lp: LocalPlan, shards: list[torch.Tensor]):
+        self.comm, self.lp, self.shards = comm, lp, shards
+        self.full: dict[int, weakref.ref] = {}  # id(full tensor) -> (ref, bucket, position)
+        self.cache: dict[int, Any] = {}  # bucket -> gathered flat (re-gathered in backward)
+        self.backward_order: list[int] = []
+
+    def forward(self) -> dict[int, torch.Tensor]:
+        lp, out = self.lp, {}
+        pending = [self._launch(k) for k in range(len(lp.gathers))]  # all in flight before the first is awaited
+        for k, (b, flat) in enumerate(zip(lp.gathers, pending)):
+            fulls = _GatherBucket.apply(self, k, flat, *[self.shards[i] for i in b])
+            for pos, (i, f) in enumerate(zip(b, fulls)):
+                self.full[id(f)] = (weakref.ref(f), k, pos)
+                out[i] = f
+        return out
+
+    def pack(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        hit = self.full.get(id(base))
+        if hit is None or hit[0]() is not base:
+            return t
+        if hit[1] not in self.backward_order:
+            self.backward_order.insert(0, hit[1])  # backward visits buckets in reverse first-save order
+        return (_Regather, hit[1], hit[2], t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not (isinstance(saved, tuple) and saved and saved[0] is _Regather):
+            return saved
+        _, k, pos, size, stride, offset = saved
+        full = self.bucket(k)[pos]
+        nxt = self.backward_order.index(k) + 1 if k in self.backward_order else len(self.backward_order)
+        if nxt < len(self.backward_order) and self.backward_order[nxt] not in self.cache:  # prefetch
+            self.cache[self.backward_order[nxt]] = self._launch(self.backward_order[nxt])
+        return full.as_strided(size, stride, offset)
+
+    def bucket(self, k: int) -> list[torch.Tensor]:
+        got = self.cache.get(k)
+        if not isinstance(got, list):
+            flat = got if got is not None else self._launch(k)
+            b = self.lp.gathers[k]
+            shards, at = [self.shards[i] for i in b], [self.lp.stored[i] for i in b]
+            got = self.cache[k] = _assemble(self.comm, flat, shards, at)
+        return got
+
+    def _launch(self, k: int) -> torch.Tensor:
+        b = self.lp.gathers[k]
+        with torch.no_grad():  # the gather's backward is _GatherBucket's, not autograd's
+            return _launch_gather(self.comm, [self.shards[i].detach() for i in b], self.lp.stored[b[0]])
+
+
+class _Regather:  # a marker in saved-tensor tuples
+    pass
+
+
+class _GatherBucket(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, owner: _Gathered, k: int, flat: torch.Tensor, *shards: torch.Tensor):
+        ctx.owner, ctx.k = owner, k
+        b = owner.lp.gathers[k]
+        return tuple(_assemble(owner.comm, flat, list(shards), [owner.lp.stored[i] for i in b]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        owner, b = ctx.owner, ctx.owner.lp.gathers[ctx.k]
+        owner.cache.pop(ctx.k, None)  # every user of this bucket has run its backward: free it
+        grads = [torch.zeros(_full_shape(owner, i), dtype=owner.shards[i].dtype) if g is None else g
+                 for i, g in zip(b, grads)]
+        target = [owner.lp.target[i] for i in b]
+        flat = _launch_reduce(owner.comm, grads, target)
+        return (None, None, None, *_split_reduced(owner.comm, flat, grads, target))
+
+
+def _full_shape(owner: _Gathered, i: int) -> torch.Size:
+    s, (m, d) = owner.shards[i].shape, owner.lp.stored[i]
+    return torch.Size((*s[:d], s[d] * owner.comm.size(m), *s[d + 1:]))
+
+
+def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequence[DTensor],
+        microbatches: Sequence[Any], token_count: Callable, cast: Callable, targets: Sequence[Any]):
+    """``(loss, grads, tokens)`` of the global mean loss; grads are DTensors in ``targets`` placements.
+
+    Args:
+        lp: the plan from :func:`plan`.
+        mesh: the mesh.
+        loss_fn: the single-device loss ``(params, batch) -> mean over the batch's tokens``.
+        treedef: the params' tree structure.
+        params: parameter leaves in storage layout.
+        microbatches: this rank's rows of each microbatch (plain tensors).
+        token_count: ``batch -> tokens`` weighting each rank's and microbatch's loss.
+        cast: compute-dtype cast applied to the parameter leaves before the loss.
+        targets: each leaf's placements after reduction (the optimizer-state layout).
+
+    >>> loss, grads, tokens = run(lp, mesh, loss_fn, treedef, leaves, [rows], count, cast, targets)  # doctest: +SKIP
+    """
+    from core import tree
+
+    comm = _Comm(mesh.device_mesh, lp.data_dims)
+    local = [p.to_local().detach().requires_grad_(True) for p in params]
+    counts = torch.stack([torch.as_tensor(token_count(mb)) for mb in microbatches]).to(torch.int64)
+    for m in lp.data_dims:
+        counts = _wait(funcol.all_reduce(counts, "sum", comm.group(m)))
+    total = counts.sum()
+    acc: dict[int, torch.Tensor] = {}
+    launched: list[Any] = [None] * len(lp.reduces)
+    ready: list[dict[int, torch.Tensor]] = [{} for _ in lp.reduces]
+    loss_sum = torch.zeros((), dtype=torch.float32)
+
+    def on_grad(j: int, i: int) -> Callable:
+        def hook(g: torch.Tensor) -> None:
+            ready[j][i] = g + acc[i] if i in acc else g
+            if len(ready[j]) == len(lp.reduces[j]):  # the bucket's last gradient: launch its collective
+                b = lp.reduces[j]
+                launched[j] = _launch_reduce(comm, [ready[j][i] for i in b], [lp.target[i] for i in b])
+        return hook
+
+    for k, mb in enumerate(microbatches):
+        last = k == len(microbatches) - 1
+        gathered = _Gathered(comm, lp, local)
+        hooks = [local[i].register_hook(on_grad(j, i)) for j, b in enumerate(lp.reduces) for i in b] if last else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
+                fulls = gathered.forward()
+                compute = cast([fulls.get(i, x) for i, x in enumerate(local)])
+                del fulls
+                weight = torch.as_tensor(token_count(mb)).to(torch.float32) / total
+                loss = loss_fn(tree.unflatten(treedef, compute), mb) * weight
+                del compute
+            grads = torch.autograd.grad(loss, local, allow_unused=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        loss_sum = loss_sum + loss.detach().float()
+        for i, g in enumerate(grads):
+            if lp.stored[i] is not None:  # already reduce-scattered by its bucket's backward
+                g = torch.zeros_like(local[i]) if g is None else _wait(g)
+            elif last or g is None:
+                continue
+            acc[i] = acc[i] + g if i in acc else g
+    for j, b in enumerate(lp.reduces):  # buckets whose gradients did not all arrive (unused params)
+        if launched[j] is None:
+            grads = [ready[j].get(i, acc.get(i, torch.zeros_like(local[i]))) for i in b]
+            launched[j] = _launch_reduce(comm, grads, [lp.target[i] for i in b])
+    reduced = {i: g for i, g in acc.items() if lp.stored[i] is not None}
+    for j, b in enumerate(lp.reduces):
+        like = [local[i] for i in b]
+        reduced.update(zip(b, _split_reduced(comm, launched[j], like, [lp.target[i] for i in b])))
+    for m in lp.data_dims:
+        loss_sum = _wait(funcol.all_reduce(loss_sum, "sum", comm.group(m)))
+    dm = mesh.device_mesh
+    out = [DTensor.from_local(reduced[i], dm, targets[i], run_check=False, shape=p.shape, stride=p.stride())
+           for i, p in enumerate(params)]
+    return loss_sum, out, total
+
+
+def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Sequence[DTensor], opt_state: Any,
+          grads: Sequence[DTensor], targets: Sequence[Any], storage: Sequence[Any]) -> tuple[list[DTensor], Any]:
+    """One update of an elementwise optimizer on local shards; returns ``(params in storage layout, state)``.
+
+    The update runs on each rank's block in the optimizer-state layout (one foreach kernel per op,
+    no DTensor dispatch); parameters stored replicated whose state is sharded (ZeRO-1/2) are
+    all-gathered back in buckets, one collective per bucket.
+
+    >>> params, state = apply(lp, mesh, adamw, treedef, leaves, state, grads, targets, storage)  # doctest: +SKIP
+    """
+    from core import optim, tree
+
+    dm = mesh.device_mesh
+    p_opt = [p.to_local() if lp.stored[i] is not None or lp.target[i] is None
+             else p.redistribute(dm, targets[i]).to_local() for i, p in enumerate(params)]  # a local chunk, no comm
+    def unwrap(x: Any) -> Any:
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    updates, new_state = optimizer.update(tree.unflatten(treedef, [unwrap(g) for g in grads]),
+                                          tree.map(unwrap, opt_state), tree.unflatten(treedef, p_opt))
+    new = tree.leaves(optim.apply_updates(tree.unflatten(treedef, p_opt), updates))
+    regather = [i for i in range(len(new)) if lp.stored[i] is None and lp.target[i] is not None]
+    comm = _Comm(dm, lp.data_dims)
+    for b in _buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):
+        shards = [new[i] for i in b]
+        at = [lp.target[i] for i in b]
+        new_b = _assemble(comm, _launch_gather(comm, shards, at[0]), shards, at)
+        for i, x in zip(b, new_b):
+            new[i] = x
+    def wrap(x: Any, like: Any) -> Any:  # a new state leaf, placed like the old one
+        if not isinstance(like, DTensor):
+            return x
+        return DTensor.from_local(x, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+
+    out = [DTensor.from_local(x, dm, pl, run_check=False, shape=p.shape, stride=p.stride())
+           for x, p, pl in zip(new, params, storage)]
+    return out, tree.map(wrap, new_state, opt_state)

@@ -1,0 +1,112 @@
+"""shardings.local_step: data-parallel layouts on local tensors equal the DTensor path and one device."""
+
+import functools
+
+import pytest
+import torch
+
+import core
+import models.gpt as gpt
+import shardings
+from core import tree
+from shardings import Mesh, local_step
+from shardings.testing import check_equivalence
+
+CFG = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8)
+SMALL_BUCKETS = 0.01  # 10 kB: several buckets for CFG, so bucket boundaries, overlap and prefetch all run
+
+
+def _step(layout, mesh, cfg=CFG, **kw):
+    params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
+    step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.adamw(1e-2), layout=layout,
+                                mesh=mesh, **kw)
+    return params, step
+
+
+@pytest.mark.parametrize(("layout", "mesh"), [
+    ("dp", Mesh(dp=4)), ("zero1", Mesh(dp=4)), ("zero2", Mesh(dp=2)), ("zero3", Mesh(dp=4)),
+    ("hsdp", Mesh(dp=2, fsdp=2)), ("zero3", Mesh(dp=2, tp=2)),  # an idle tp axis: ranks along it agree
+])
+def test_local_path_matches_the_single_device_reference_with_accumulation_clipping_and_small_buckets(layout, mesh):
+    batch = gpt.example_batch(CFG, 8, with_ignored=True)  # uneven token counts per rank and microbatch
+    with shardings.simulate(mesh.size):
+        params, step = _step(layout, mesh, bucket_mb=SMALL_BUCKETS)
+        lp = step.plan(params).local
+    assert lp is not None and len(lp.gathers if layout in ("zero3", "hsdp") else lp.reduces) > 1
+    report = check_equivalence(gpt.init, gpt.loss, gpt.axes, CFG, batch, layouts=[layout], mesh=mesh, steps=2,
+                               accum_steps=2, clip_norm=0.5)
+    assert report.ok
+
+
+@pytest.mark.parametrize(("layout", "mesh"), [
+    ("tp", Mesh(tp=2)), ("dp+tp", Mesh(dp=2, tp=2)), ("zero3+tp", Mesh(dp=2, tp=2)), ("dp+cp", Mesh(dp=2, cp=2)),
+    ("zero3+tp+sp", Mesh(dp=2, tp=2)),
+])
+def test_layouts_with_model_axes_take_the_dtensor_path(layout, mesh):
+    with shardings.simulate(mesh.size):
+        params, step = _step(layout, mesh)
+        assert step.plan(params).local is None
+
+
+def test_uneven_shards_and_local_false_take_the_dtensor_path():
+    with shardings.simulate(3):  # dim 32 does not split evenly over 3 ranks
+        params, step = _step("zero3", Mesh(dp=3))
+        assert step.plan(params).local is None
+    with shardings.simulate(4):
+        params, step = _step("dp", Mesh(dp=4), local=False)
+        assert step.plan(params).local is None
+
+
+def test_dp_buckets_are_reduced_during_backward_in_backward_order(monkeypatch):
+    launched = []
+    launch = local_step._launch_reduce
+    monkeypatch.setattr(local_step, "_launch_reduce",
+                        lambda comm, g, t: launched.append(torch._C._current_autograd_node() is not None)
+                        or launch(comm, g, t))
+    with shardings.simulate(4):
+        params, step = _step("dp", Mesh(dp=4), bucket_mb=SMALL_BUCKETS)
+        step.grads(params, gpt.example_batch(CFG, 4))
+        lp = step.plan(params).local
+    # Every bucket's all-reduce starts inside backward (as soon as its last gradient exists): overlap.
+    assert len(launched) == len(lp.reduces) > 1 and all(launched)
+    assert [i for b in lp.reduces for i in b] == list(range(len(tree.leaves(params))))[::-1]
+
+
+def test_zero3_regathers_buckets_in_backward_prefetching_the_next(monkeypatch):
+    gathered = []
+    launch = local_step._Gathered._launch
+    monkeypatch.setattr(local_step._Gathered, "_launch", lambda self, k: gathered.append(k) or launch(self, k))
+    with shardings.simulate(4):
+        params, step = _step("zero3", Mesh(dp=4), bucket_mb=SMALL_BUCKETS)
+        step.grads(params, gpt.example_batch(CFG, 4))
+        n = len(step.plan(params).local.gathers)
+    forward, backward = gathered[:n], gathered[n:]
+    assert forward == list(range(n))  # all launched before the loss runs
+    # Backward re-gathers each bucket autograd saved from, once, last-used first (the next one is
+    # launched while the current bucket's backward runs); buckets whose weights nothing saved
+    # (the embedding lookup's) are not re-gathered.
+    assert len(backward) > 1 and backward == sorted(set(backward), reverse=True)
+
+
+def test_unused_parameters_get_zero_gradients():
+    def loss_without_final_norm(params, batch, cfg):  # final_norm unused: its gradient is zero
+        params = dict(params, final_norm=params["final_norm"].detach() * 0 + 1)
+        return gpt.loss(params, batch, cfg)
+
+    with shardings.simulate(4):
+        mesh = Mesh(dp=4)
+        params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="dp", mesh=mesh)
+        step = shardings.train_step(functools.partial(loss_without_final_norm, cfg=CFG), core.optim.sgd(0.1),
+                                    layout="dp", mesh=mesh, bucket_mb=SMALL_BUCKETS)
+        _, grads, _ = step.grads(params, gpt.example_batch(CFG, 4))
+        assert step.plan(params).local is not None
+        assert float(shardings.unwrap(grads["final_norm"].full_tensor().abs().sum())) == 0.0
+        assert float(shardings.unwrap(grads["embed"].full_tensor().abs().sum())) > 0.0
+
+
+def test_count_comms_false_leaves_the_comm_metrics_empty():
+    with shardings.simulate(4):
+        params, step = _step("dp", Mesh(dp=4), count_comms=False)
+        _, _, metrics = step(params, step.init(params), gpt.example_batch(CFG, 4))
+    assert metrics["comm"] is None and metrics["comm_bytes"] is None and metrics["loss"] > 0
+
