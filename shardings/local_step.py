@@ -35,7 +35,7 @@ from shardings.layouts import LOGICAL_NAMES, Layout
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
 
-__all__ = ["LocalPlan", "apply", "plan", "run"]
+__all__ = ["LocalPlan", "apply", "global_norm", "plan", "run"]
 
 DEFAULT_GATHER_MB = 25.0  # bucket cap for re-gathering updated ZeRO-1/2 parameters
 ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
@@ -366,3 +366,24 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
     out = [DTensor.from_local(x, dm, pl, run_check=False, shape=p.shape, stride=p.stride())
            for x, p, pl in zip(new, params, storage)]
     return out, tree.map(wrap, new_state, opt_state)
+
+
+def global_norm(lp: LocalPlan, mesh: Mesh, grads: Sequence[DTensor]) -> torch.Tensor:
+    """The L2 norm of reduced gradients (in the plan's target layout) as a plain 0-d tensor.
+
+    Local blocks are normed with foreach kernels (``core.optim.global_norm``); sums of squares of
+    blocks split over a mesh dim are all-reduced over it: one scalar collective per such dim.
+
+    >>> global_norm(lp, mesh, tree.leaves(grads))  # doctest: +SKIP
+    tensor(1.2345)
+    """
+    from core import optim
+
+    by_dim: dict[int | None, list[torch.Tensor]] = {}
+    for g, t in zip(grads, lp.target):
+        by_dim.setdefault(t[0] if t else None, []).append(g.to_local())
+    total = torch.zeros(())
+    for m, blocks in by_dim.items():
+        sq = optim.global_norm(blocks).square()
+        total = total + (sq if m is None else _wait(funcol.all_reduce(sq, "sum", mesh.device_mesh.get_group(m))))
+    return total.sqrt()

@@ -87,6 +87,7 @@ class TrainStep:
         self._inner = optimizer
         self.optimizer = core.optim.chain(self._clip, optimizer) if self._clip else optimizer
         self._plan: Plan | None = None
+        self._grad_nbytes: int | None = None
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, params: Any) -> Plan:
@@ -177,7 +178,7 @@ class TrainStep:
             new_params, new_state = self.apply(params, opt_state, grads)
         metrics = {
             "loss": _scalar(loss),
-            "grad_norm": _scalar(core.optim.global_norm(grads)),
+            "grad_norm": _scalar(self._grad_norm(grads)),
             "tokens": int(_scalar(tokens)),
             "comm": c.rows() if c else None,
             "comm_bytes": c.total_bytes() if c else None,
@@ -190,6 +191,11 @@ class TrainStep:
         return new_params, new_state, metrics
 
     # -- pieces -----------------------------------------------------------------------------------
+    def _grad_norm(self, grads: Any) -> torch.Tensor:
+        if self._plan.local is not None:  # local blocks, a scalar all-reduce per split mesh dim
+            return local_step.global_norm(self._plan.local, self.mesh, tree.leaves(grads))
+        return core.optim.global_norm(grads)
+
     def _reduce_in_backward(self) -> list[bool]:
         # A sharded grads role: reduce each gradient as backward produces it (ZeRO-2/3 memory).
         # A gradient whose compute placement differs from storage is reduced by the gather's backward.
@@ -203,15 +209,18 @@ class TrainStep:
     def _grad_bytes(self, params: Any, grads: Any) -> int:
         # Gradients held per rank: reduced in backward (a sharded grads role) they take the grads
         # layout; otherwise backward leaves them whole-per-rank in the compute layout until reduced.
-        plan, total = self._plan, 0
-        reduce_now = self._reduce_in_backward()
-        for i, (p, g) in enumerate(zip(tree.leaves(params), tree.leaves(grads))):
-            gathered = plan.placements["compute"][i] != plan.placements["params"][i]
-            role = "grads" if reduce_now[i] or gathered else "compute"
-            spec = tree.leaves(plan.specs[role], is_leaf=lambda s: isinstance(s, P))[i]
-            shape = [-(-n // self.mesh.axis_size(axes)) for n, axes in zip(p.shape, spec.dim_axes() + ((),) * p.ndim)]
-            total += math.prod(shape) * g.element_size()
-        return total
+        # Static for a plan: shapes, specs and dtypes do not change between steps.
+        if self._grad_nbytes is None:
+            plan, total = self._plan, 0
+            specs = {r: tree.leaves(plan.specs[r], is_leaf=lambda s: isinstance(s, P)) for r in ("grads", "compute")}
+            reduce_now = self._reduce_in_backward()
+            for i, (p, g) in enumerate(zip(tree.leaves(params), tree.leaves(grads))):
+                gathered = plan.placements["compute"][i] != plan.placements["params"][i]
+                spec = specs["grads" if reduce_now[i] or gathered else "compute"][i]
+                dims = spec.dim_axes() + ((),) * p.ndim
+                total += math.prod(-(-n // self.mesh.axis_size(a)) for n, a in zip(p.shape, dims)) * g.element_size()
+            self._grad_nbytes = total
+        return self._grad_nbytes
 
     def _cast_compute(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.precision is None:

@@ -110,3 +110,16 @@ def test_count_comms_false_leaves_the_comm_metrics_empty():
         _, _, metrics = step(params, step.init(params), gpt.example_batch(CFG, 4))
     assert metrics["comm"] is None and metrics["comm_bytes"] is None and metrics["loss"] > 0
 
+
+
+@pytest.mark.parametrize(("layout", "mesh"), [("dp", Mesh(dp=4)), ("zero3", Mesh(dp=4)), ("hsdp", Mesh(dp=2, fsdp=2))])
+def test_step_metrics_agree_with_the_dtensor_path(layout, mesh):
+    batch = gpt.example_batch(CFG, 4, with_ignored=True)
+    got = {}
+    for local in (True, False):
+        with shardings.simulate(mesh.size):
+            params, step = _step(layout, mesh, local=local)
+            _, _, got[local] = step(params, step.init(params), batch)
+    for key in ("loss", "grad_norm"):
+        assert got[True][key] == pytest.approx(got[False][key], rel=1e-5), key
+    assert got[True]["tokens"] == got[False]["tokens"] and got[True]["memory"] == got[False]["memory"]
