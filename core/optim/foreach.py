@@ -36,8 +36,10 @@ Op = Callable[..., Sequence[torch.Tensor]]
 
 
 class Kernels(NamedTuple):
-    """Out-of-place list ops: the first argument is a list of tensors; each other argument is a
-    list of the same length or one value (scalar or tensor) used for every leaf."""
+    """List ops: the first argument is a list of tensors; each other argument is a list of the
+    same length or one value (scalar or tensor) used for every leaf. The ``_`` ops write into
+    their first list: use them only on fresh intermediates whose producer saved no output for
+    autograd (``mul``, ``div``; not ``sqrt``), so the API stays pure and differentiable."""
 
     add: Op
     mul: Op
@@ -45,6 +47,9 @@ class Kernels(NamedTuple):
     sqrt: Op
     lerp: Op
     addcmul: Op
+    add_: Op
+    div_: Op
+    addcmul_: Op
 
 
 def _per_leaf_op(name: str) -> Op:

@@ -138,7 +138,9 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: MaskOrFn = None) -> Gra
         keep = _resolve_mask(mask, params)
         k, (us, ps, ms), rebuild = columns(updates, params, keep)
         # u + weight_decay * p on the masked-in leaves only, as two foreach ops over that subset.
-        decayed = iter(k.add([u for u, m in zip(us, ms) if m], k.mul([p for p, m in zip(ps, ms) if m], weight_decay)))
+        decayed = k.mul([p for p, m in zip(ps, ms) if m], weight_decay)
+        k.add_(decayed, [u for u, m in zip(us, ms) if m])  # wd * p + u: IEEE addition commutes, bitwise
+        decayed = iter(decayed)
         return rebuild([next(decayed) if m else u for u, m in zip(us, ms)])
 
     return _stateless(decay)
@@ -214,8 +216,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         bias1, bias2_sqrt = _one_minus_pow(b1, t), _one_minus_pow(b2, t).sqrt()
         k, (gs, ms, vs), rebuild = columns(updates, state.mu, state.nu)
         mu = k.lerp(ms, gs, 1 - b1)
-        nu = k.addcmul(k.mul(vs, b2), gs, gs, value=1 - b2)
-        out = k.div(k.div(mu, bias1), k.add(k.div(k.sqrt(nu), bias2_sqrt), eps))
+        nu = k.mul(vs, b2)
+        k.addcmul_(nu, gs, gs, value=1 - b2)
+        denom = k.div(k.sqrt(nu), bias2_sqrt)
+        k.add_(denom, eps)
+        out = k.div(mu, bias1)
+        k.div_(out, denom)
         return rebuild(out), ScaleByAdamState(count, rebuild(mu), rebuild(nu))
 
     return GradientTransformation(init, update, elementwise=True)
