@@ -35,15 +35,18 @@ _CONFIGS = {
 }
 
 
-def _median_ms(step: Callable[[], None], repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
+def _median_ms(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median ms per variant; the variants take turns each round, so load drift hits them alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _ours(params: dict, grads: dict, per_leaf: bool) -> Callable[[], None]:
@@ -79,7 +82,7 @@ def run(config: str, repeats: int) -> list[dict]:
         "torch_for_loop": _torch(params, grads, foreach=False),
     }
     with torch.no_grad():
-        ms = {name: _median_ms(step, repeats) for name, step in steps.items()}
+        ms = _median_ms(steps, repeats)
     leaves = tree.leaves(params)
     return [
         {
