@@ -25,13 +25,12 @@ import dataclasses
 import functools
 from typing import Any
 
-import einops
 import torch
 import torch.nn.functional as F
 
 import core
 from models.hf_llama import config_from_hf, from_hf_llama, hf_config, to_hf_llama
-from models.layers import attention, cross_entropy, next_token_batch, rms_norm, rope, swiglu
+from models.layers import attention, cross_entropy, einsum, next_token_batch, rms_norm, rope, swiglu
 from shardings import constrain
 
 __all__ = [
@@ -194,14 +193,14 @@ def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
 def _attention_residual(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """``x + attention(rms_norm(x))``: the first half of a block (models.moe reuses it)."""
     h = constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), BLOCK_INPUT)
-    q = einops.einsum(h, p["wq"], "b s e, e h d -> b s h d")  # (batch, seq, heads, head_dim)
-    k = einops.einsum(h, p["wk"], "b s e, e k d -> b s k d")  # (batch, seq, kv_heads, head_dim)
-    v = einops.einsum(h, p["wv"], "b s e, e k d -> b s k d")
+    q = einsum(h, p["wq"], "b s e, e h d -> b s h d")  # (batch, seq, heads, head_dim)
+    k = einsum(h, p["wk"], "b s e, e k d -> b s k d")  # (batch, seq, kv_heads, head_dim)
+    v = einsum(h, p["wv"], "b s e, e k d -> b s k d")
     q = constrain(rope(q, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
     k = constrain(rope(k, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     out = attention(q, k, v)  # (batch, seq, heads, head_dim)
-    return x + constrain(einops.einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
+    return x + constrain(einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -220,7 +219,7 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
         x = block(p, x)
     x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), BLOCK_INPUT)
     unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
-    return constrain(x @ unembed, ("batch", "seq", "vocab"))
+    return constrain(einsum(x, unembed, "b s e, e v -> b s v"), ("batch", "seq", "vocab"))
 
 
 def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Building blocks shared by the reference models: RMSNorm, RoPE, attention, SwiGLU, loss, batches.
 
 Every function here is plain tensor code that must also run unchanged on DTensors (tensor
-parallelism shards heads/mlp/vocab). Two consequences shape the code:
+parallelism shards heads/mlp/vocab). Three consequences shape the code:
 
 * No plain constant tensors next to activations: DTensor refuses to mix a plain ``torch.Tensor``
   with a DTensor. Constants (positions, masks, one-hots) are built with ``x.new_ones(...)``,
   which gives a plain tensor for a plain ``x`` and a replicated DTensor on ``x``'s mesh otherwise.
 * No ``.item()`` and no Python branching on tensor values: reductions stay tensor ops.
+* Params meet activations in :func:`einsum` (``shardings.einsum``, re-exported): ``einops.einsum`` on
+  plain tensors, each rank's blocks multiplied locally on DTensors whose layouts agree.
 
 Numerics follow Hugging Face Llama (RMSNorm in float32, ``rotate_half`` RoPE, float32 softmax),
 so converted checkpoints match its logits.
@@ -18,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from shardings import attention as layout_attention
-from shardings import constrain
+from shardings import constrain, einsum
 
 __all__ = [
     "arange_like",
     "attention",
     "cross_entropy",
+    "einsum",
     "next_token_batch",
     "rms_norm",
     "rope",
@@ -105,9 +108,9 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
     >>> swiglu(torch.randn(2, 3, 4), torch.randn(4, 6), torch.randn(4, 6), torch.randn(6, 4)).shape
     torch.Size([2, 3, 4])
     """
-    hidden = F.silu(x @ w_gate) * (x @ w_up)  # (batch, seq, mlp)
-    hidden = constrain(hidden, ("batch", "seq", "mlp"))
-    return hidden @ w_down
+    up = lambda w: einsum(x, w, "b s e, e f -> b s f")  # (batch, seq, mlp): column-parallel under tp
+    hidden = constrain(F.silu(up(w_gate)) * up(w_up), ("batch", "seq", "mlp"))
+    return einsum(hidden, w_down, "b s f, f e -> b s e")  # row-parallel under tp: partial sums over mlp
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import core
 from models import gpt
-from models.layers import cross_entropy, next_token_batch, rms_norm
+from models.layers import cross_entropy, einsum, next_token_batch, rms_norm
 from shardings import P, all_to_all, axis_size, constrain, current, logical_to_spec, psum, shard_map
 from shardings.errors import sharding_error
 
@@ -154,7 +154,7 @@ def axes(cfg: Config) -> Params:
 
 def _route(x: torch.Tensor, router: torch.Tensor, cfg: Config, token_axes: tuple[str, ...]):
     """Top-k routing of ``x: (b, s, dim)``: expert ids, renormalized weights, and the global aux losses."""
-    logits = einops.einsum(x.float(), router.float(), "b s e, e x -> b s x")  # (b, s, experts), float32
+    logits = einsum(x.float(), router.float(), "b s e, e x -> b s x")  # (b, s, experts), float32
     probs = torch.softmax(logits, dim=-1)
     top_p, top_i = probs.topk(cfg.top_k, dim=-1)  # (b, s, k)
     weights = top_p / top_p.sum(-1, keepdim=True)
@@ -184,9 +184,9 @@ def _slots(chosen: torch.Tensor, top_i: torch.Tensor, cap: int, experts: int) ->
 
 def _experts(buf: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert on its slots: ``buf (experts, slots, dim)`` → same shape."""
-    up = lambda w: einops.einsum(buf, w, "x t e, x e f -> x t f")  # (experts, slots, expert_mlp)
+    up = lambda w: einsum(buf, w, "x t e, x e f -> x t f")  # (experts, slots, expert_mlp)
     hidden = F.silu(up(w_gate)) * up(w_up)
-    return einops.einsum(hidden, w_down, "x t f, x f e -> x t e")
+    return einsum(hidden, w_down, "x t f, x f e -> x t e")
 
 
 def _moe_local(x, router, w_gate, w_up, w_down, *, cfg: Config, token_axes=(), ep_axes=(), tp_axes=()):
@@ -211,7 +211,7 @@ def _moe_local(x, router, w_gate, w_up, w_down, *, cfg: Config, token_axes=(), e
     out = torch.cat((out, out.new_zeros(b, 1, dim)), dim=1).flatten(0, 1)  # (b·row_slots, dim), dummy = 0
     gathered = out.index_select(0, index).unflatten(0, (b, s, cfg.top_k))  # (b, s, k, dim)
     combine = (weights * keep).to(x.dtype)  # a dropped assignment contributes nothing
-    return einops.einsum(gathered, combine, "b s k e, b s k -> b s e"), aux
+    return einsum(gathered, combine, "b s k e, b s k -> b s e"), aux
 
 
 def _arange(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -290,7 +290,7 @@ def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[t
             x = dense(p, x)
     x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), gpt.BLOCK_INPUT)
     unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
-    return constrain(x @ unembed, ("batch", "seq", "vocab")), total
+    return constrain(einsum(x, unembed, "b s e, e v -> b s v"), ("batch", "seq", "vocab")), total
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:

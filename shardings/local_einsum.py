@@ -72,12 +72,8 @@ def einsum(*tensors_and_pattern: torch.Tensor | str) -> torch.Tensor:
     if any(isinstance(x, DTensor) for x in operands):
         plan = _plan_for(pattern, operands)
         if plan is not None:
-            return _local_einsum(pattern, operands, plan)
+            return _LocalEinsum.apply(pattern, plan, *operands)
     return einops.einsum(*operands, pattern)
-
-
-def _local_einsum(pattern: str, operands: list[DTensor], plan: _Plan) -> DTensor:
-    return _LocalEinsum.apply(pattern, plan, *operands)
 
 
 class _LocalEinsum(torch.autograd.Function):
