@@ -14,7 +14,9 @@ def test_correct_layout_exits_0(capsys):
 
 def test_rank_dependent_model_exits_1_naming_the_key_path(capsys):
     # tests/experiments/rank_skew.py: mlp whose ['unembed'] gradient is scaled by (1 + rank/10) on each rank
-    assert main(["model=mlp", "model.name=tests.experiments.rank_skew", "layout=dp", "mesh=dp2", "steps=1"]) == 1
+    # dp+tp: a layout with a model axis runs on DTensors, where the skew can read the mesh (the local
+    # path of pure data-parallel layouts runs the loss with no active mesh).
+    assert main(["model=mlp", "model.name=tests.experiments.rank_skew", "layout=dp+tp", "mesh=dp2_tp2", "steps=1"]) == 1
     out = capsys.readouterr().out
     assert "FAIL: first at step 1, grads ['unembed']" in out
     assert "FAIL ['unembed']" in out and "ok   <scalar>" in out  # the loss itself still matches
