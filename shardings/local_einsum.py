@@ -180,7 +180,7 @@ def _plan(pattern: str, mesh: Mesh, layouts: tuple[tuple[tuple[Placement, ...], 
             if axes_of.setdefault(letter, axes) != axes or size_of.setdefault(letter, size) != size:
                 return None  # split differently (or broadcast) in two operands: blocks would not line up
             if size % mesh.axis_size(axes):
-                return None  # uneven blocks have rank-dependent shapes, which simulated ranks cannot einsum
+                return None  # uneven blocks: rank-dependent shapes, left to DTensor (as before this module)
     used = [a for axes in axes_of.values() for a in axes]
     if len(used) != len(set(used)):
         return None  # two indices on one axis: the result's block would be a product of two splits
