@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import functools
 import resource
 import statistics
@@ -55,6 +54,7 @@ import core
 import models.gpt as gpt
 import shardings
 from experiments import native_gpt
+from experiments.tables import write_csv
 
 
 class _Config(NamedTuple):
@@ -223,10 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
-    with open(args.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.csv, rows)
     return rows
 
 

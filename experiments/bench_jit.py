@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import functools
 import statistics
 import time
@@ -44,6 +43,7 @@ import core
 import models.gpt as gpt
 import shardings
 from core import optim, tree
+from experiments.tables import write_csv
 
 
 class _Config(NamedTuple):
@@ -198,10 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(" | ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]!s:>12}" for c in cols))
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.csv, rows)
     return rows
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import torch
 import core
 import models.gpt as gpt
 from core import optim, tree
+from experiments.tables import write_csv
 
 _CONFIGS = {
     "gpt_small": dict(vocab=2048, dim=256, layers=4, heads=8, mlp=768, seq_len=128),
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f" {r['vs_torch_foreach']:>16.2f} | {r['vs_per_leaf']:>11.2f}"
         )
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     return rows
 
 

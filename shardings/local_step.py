@@ -31,6 +31,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from core import optim, tree
 from shardings.layouts import LOGICAL_NAMES, Layout
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
@@ -268,8 +269,6 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
     >>> loss, grads, tokens = run(lp, mesh, loss_fn, treedef, leaves, [rows], count, cast, targets)  # doctest: +SKIP
     """
-    from core import tree
-
     comm = _Comm(mesh.device_mesh, lp.data_dims)
     local = [p.to_local().detach().requires_grad_(True) for p in params]
     counts = torch.stack([torch.as_tensor(token_count(mb)) for mb in microbatches]).to(torch.int64)
@@ -338,8 +337,6 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
 
     >>> params, state = apply(lp, mesh, adamw, treedef, leaves, state, grads, targets, storage)  # doctest: +SKIP
     """
-    from core import optim, tree
-
     dm = mesh.device_mesh
     p_opt = [p.to_local() if lp.stored[i] is not None or lp.target[i] is None
              else p.redistribute(dm, targets[i]).to_local() for i, p in enumerate(params)]  # a local chunk, no comm
@@ -377,8 +374,6 @@ def global_norm(lp: LocalPlan, mesh: Mesh, grads: Sequence[DTensor]) -> torch.Te
     >>> global_norm(lp, mesh, tree.leaves(grads))  # doctest: +SKIP
     tensor(1.2345)
     """
-    from core import optim
-
     by_dim: dict[int | None, list[torch.Tensor]] = {}
     for g, t in zip(grads, lp.target):
         by_dim.setdefault(t[0] if t else None, []).append(g.to_local())
