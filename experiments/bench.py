@@ -103,7 +103,7 @@ def _ours(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, comm
     mesh = shardings.Mesh(**sizes)
     params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
     loss_fn = functools.partial(gpt.loss, cfg=cfg)
-    ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh)
+    ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh, donate=True)
     state = [params, ts.init(params)]
 
     def step(count: bool) -> float:

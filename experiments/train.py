@@ -121,7 +121,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     key = core.random.key(cfg.seed)
     params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh)
     step = train_step(functools.partial(m.loss, cfg=mcfg), optimizer(cfg.optim, cfg.steps), layout=setup.layout,
-                      mesh=setup.mesh, axes=axes, accum_steps=cfg.accum_steps, clip_norm=cfg.optim.clip_norm)
+                      mesh=setup.mesh, axes=axes, accum_steps=cfg.accum_steps, clip_norm=cfg.optim.clip_norm,
+                      donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):

@@ -32,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from core import optim, tree
+from core.optim.fused import fusable
 from shardings.layouts import LOGICAL_NAMES, Layout
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
@@ -328,11 +329,14 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
 
 def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Sequence[DTensor], opt_state: Any,
-          grads: Sequence[DTensor], targets: Sequence[Any], storage: Sequence[Any]) -> tuple[list[DTensor], Any]:
+          grads: Sequence[DTensor], targets: Sequence[Any], storage: Sequence[Any],
+          donate: bool = False) -> tuple[list[DTensor], Any]:
     """One update of an elementwise optimizer on local shards; returns ``(params in storage layout, state)``.
 
-    The update runs on each rank's block in the optimizer-state layout (one foreach kernel per op,
-    no DTensor dispatch); parameters stored replicated whose state is sharded (ZeRO-1/2) are
+    The update runs on each rank's block in the optimizer-state layout: the optimizer's
+    ``fused_step`` (one fused kernel, in place; on copies unless ``donate``) where it has one and
+    the blocks are plain tensors, else its pure ``update`` (one foreach kernel per op); no DTensor
+    dispatch either way. Parameters stored replicated whose state is sharded (ZeRO-1/2) are
     all-gathered back in buckets, one collective per bucket.
 
     >>> params, state = apply(lp, mesh, adamw, treedef, leaves, state, grads, targets, storage)  # doctest: +SKIP
@@ -343,9 +347,17 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
     def unwrap(x: Any) -> Any:
         return x.to_local() if isinstance(x, DTensor) else x
 
-    updates, new_state = optimizer.update(tree.unflatten(treedef, [unwrap(g) for g in grads]),
-                                          tree.map(unwrap, opt_state), tree.unflatten(treedef, p_opt))
-    new = tree.leaves(optim.apply_updates(tree.unflatten(treedef, p_opt), updates))
+    local_grads, local_state = tree.unflatten(treedef, [unwrap(g) for g in grads]), tree.map(unwrap, opt_state)
+    fused_step = getattr(optimizer, "fused_step", None)
+    if fused_step is not None and fusable(p_opt, local_state, local_grads):
+        if not donate:
+            p_opt = [x.clone() for x in p_opt]
+            local_state = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, local_state)
+        new, new_state = fused_step(local_grads, local_state, tree.unflatten(treedef, p_opt))
+        new = tree.leaves(new)
+    else:
+        updates, new_state = optimizer.update(local_grads, local_state, tree.unflatten(treedef, p_opt))
+        new = tree.leaves(optim.apply_updates(tree.unflatten(treedef, p_opt), updates))
     regather = [i for i in range(len(new)) if lp.stored[i] is None and lp.target[i] is not None]
     comm = _Comm(dm, lp.data_dims)
     for b in _buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):

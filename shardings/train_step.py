@@ -75,14 +75,14 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
                  precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True,
-                 count_comms=True):
+                 count_comms=True, donate=False):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.loss_fn, self.mesh, self.axes = loss_fn, mesh, axes
         self.layout = layouts.get(layout)
         layouts.validate(self.layout, mesh)
         self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
-        self.bucket_mb, self.local, self.count_comms = bucket_mb, local, count_comms
+        self.bucket_mb, self.local, self.count_comms, self.donate = bucket_mb, local, count_comms, donate
         self._clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
         self._inner = optimizer
         self.optimizer = core.optim.chain(self._clip, optimizer) if self._clip else optimizer
@@ -161,7 +161,8 @@ class TrainStep:
                     inner_state = opt_state
                 new, inner_state = local_step.apply(plan.local, self.mesh, self._inner, plan.treedef,
                                                     tree.leaves(params), inner_state, tree.leaves(grads),
-                                                    plan.placements["opt_state"], plan.placements["params"])
+                                                    plan.placements["opt_state"], plan.placements["params"],
+                                                    donate=self.donate)
             state = (opt_state[0], inner_state) if self._clip is not None else inner_state
             return tree.unflatten(plan.treedef, new), state
         with torch.no_grad():
@@ -282,7 +283,7 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
                token_count: Callable[[Any], torch.Tensor] = default_token_count,
                bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
-               count_comms: bool = True) -> TrainStep:
+               count_comms: bool = True, donate: bool = False) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -303,6 +304,10 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         count_comms: count the step's collectives into ``metrics["comm"]``/``["comm_bytes"]``
             (``shardings.comms()``, a dispatch mode that sees every op: it costs time; ``False``
             for timing runs, and those metrics are ``None``).
+        donate: the step may write the new params and optimizer state into the buffers of the ones
+            passed in (JAX's ``donate_argnums``): do not use those afterwards. With ``local`` and an
+            optimizer that has a ``fused_step`` (``adamw``), the update then runs in torch's fused
+            kernel on local shards in place; without donation it runs on copies.
 
     Returns:
         A :class:`TrainStep`: ``opt_state = step.init(params)``, then
@@ -313,4 +318,4 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     """
     return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
                      clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
-                     local=local, count_comms=count_comms)
+                     local=local, count_comms=count_comms, donate=donate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core.optim.base import GradientTransformation, ScalarOrSchedule, chain, optim_error
+from core.optim.fused import adamw_step
 from core.optim.transforms import MaskOrFn, add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
 
 __all__ = ["adamw", "sgd"]
@@ -67,7 +68,8 @@ def adamw(
             Typical: ``lambda p: core.tree.map(lambda x: x.ndim >= 2, p)`` (no decay on norms/biases).
 
     Returns:
-        A ``GradientTransformation`` whose state is ``(ScaleByAdamState, EmptyState, ...)``.
+        A ``GradientTransformation`` whose state is ``(ScaleByAdamState, EmptyState, ...)``, with a
+        ``fused_step`` (torch's fused AdamW kernel, in place: :mod:`core.optim.fused`).
 
     Raises:
         ValueError: ``b1``/``b2`` outside ``[0, 1)`` or negative ``eps``/``weight_decay``.
@@ -84,7 +86,8 @@ def adamw(
     _check_non_negative(eps=eps, weight_decay=weight_decay)
     parts = [scale_by_adam(b1, b2, eps)]
     parts += [add_decayed_weights(weight_decay, mask)] if weight_decay else []
-    return chain(*parts, scale_by_learning_rate(learning_rate))
+    fused = adamw_step(learning_rate, b1, b2, eps, weight_decay, mask)
+    return chain(*parts, scale_by_learning_rate(learning_rate))._replace(fused_step=fused)
 
 
 def _check_non_negative(**values: float) -> None:

@@ -46,11 +46,16 @@ class GradientTransformation(NamedTuple):
             and params (plus step-count scalars), so the update may run on any shard of them
             alone (a sharded train step runs it on local blocks). ``False`` for anything that
             reduces across elements, such as a global-norm clip.
+        fused_step: ``fused_step(grads, state, params) -> (new_params, new_state)``, the same as
+            ``update`` then ``apply_updates`` (to float rounding) in one fused kernel that writes
+            into the buffers of ``params`` and ``state`` (the caller donates them, as with JAX's
+            ``donate_argnums``). Plain tensors only; ``None`` where there is no fused form.
     """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[..., tuple[PyTree, PyTree]]
     elementwise: bool = False
+    fused_step: Callable[..., tuple[PyTree, PyTree]] | None = None
 
 
 class EmptyState(NamedTuple):

@@ -116,16 +116,15 @@ def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm):
 def _rank_values(full_tree: Any) -> list[Any]:
     """One plain tree per rank (ranks must each hold the same full values)."""
     leaves, treedef = tree.flatten(full_tree)
-    per = [per_rank(x) for x in leaves]
-    return [tree.unflatten(treedef, [p[r] for p in per]) for r in range(len(per[0]))]
+    per = [per_rank(x) for x in leaves]  # copies: a donating step writes the next step into these buffers
+    return [tree.unflatten(treedef, [p[r].clone() for p in per]) for r in range(len(per[0]))]
 
 
-def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm, local):
+def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
     """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
     optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh)
-    step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
-                      clip_norm=clip_norm, local=local)
+    step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
     state = step.init(params)
     out = []
     for _ in range(steps):
@@ -141,9 +140,8 @@ def _worker(*args: Any) -> list[Any]:
     return [ranks[0] for ranks in _sharded_run(*args)]
 
 
-def _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps,
-                clip_norm, local):
-    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, accum_steps, clip_norm, local)
+def _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
+    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
     if runtime == "simulate":
         with simulate(mesh.size):
             return _sharded_run(*args)
@@ -180,6 +178,7 @@ def check_equivalence(
     raise_on_failure: bool = True,
     runtime: str = "simulate",
     local: bool = True,
+    donate: bool = False,
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -206,6 +205,7 @@ def check_equivalence(
             ``shardings.launch``, gloo on CPU; every function and config passed must be picklable).
         local: the train step's ``local`` option: data-parallel layouts run the loss on local
             tensors (``shardings.local_step``); ``False`` checks the all-DTensor path.
+        donate: the train step's ``donate`` option (AdamW's fused kernel in place on local shards).
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -222,8 +222,8 @@ def check_equivalence(
     rows: list[Row] = []
     for layout in layouts:
         layout = get_layout(layout)
-        got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh,
-                          accum_steps, clip_norm, local)
+        step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate)
+        got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
             for quantity, want, tol in (("loss", ref_loss, loss_tol), ("grads", ref_grads, tree_tol),
                                         ("params", ref_params, tree_tol)):

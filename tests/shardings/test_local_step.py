@@ -57,6 +57,26 @@ def test_uneven_shards_and_local_false_take_the_dtensor_path():
         assert step.plan(params).local is None
 
 
+@pytest.mark.parametrize("layout", ["dp", "zero2", "zero3"])
+def test_only_a_donating_step_writes_into_the_params_it_was_given(layout):
+    batch = gpt.example_batch(CFG, 4)
+    with shardings.simulate(2):
+        results = {}
+        for donate in (False, True):
+            params, step = _step(layout, Mesh(dp=2), donate=donate)
+            before = tree.map(lambda p: p.full_tensor().clone(), params)
+            new, _, _ = step(params, step.init(params), batch)
+            results[donate] = tree.map(lambda p: p.full_tensor(), new)
+            old_now = tree.map(lambda p: p.full_tensor(), params)
+            written = [not torch.equal(a, b) for a, b in zip(tree.leaves(old_now), tree.leaves(before))]
+            if not donate:
+                assert not any(written)  # a pure step: the caller's params are untouched
+            elif layout != "zero2":  # (zero2 updates a chunk of each replicated param, then gathers anew)
+                assert all(written)  # fused AdamW wrote every shard in place
+    for a, b in zip(tree.leaves(results[False]), tree.leaves(results[True])):
+        assert torch.equal(a, b)  # the same kernel on copies: bitwise the same step
+
+
 def test_dp_buckets_are_reduced_during_backward_in_backward_order(monkeypatch):
     launched = []
     launch = local_step._launch_reduce

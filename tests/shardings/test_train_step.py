@@ -300,5 +300,15 @@ def test_layouts_on_four_real_gloo_ranks_match_the_reference():
     assert report.ok and {r.layout for r in report.rows} == {"dp", "zero3", "tp+sp", "zero3+tp+sp"}
 
 
+@pytest.mark.multiprocess
+def test_donated_steps_with_the_fused_optimizer_match_the_reference_on_real_ranks():
+    # AdamW runs torch's fused kernel in place on each rank's plain shard; zero2 gathers the updated shards back.
+    report = check_equivalence(
+        gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 4), layouts=["dp", "zero2", "zero3"],
+        mesh=Mesh(dp=2), steps=3, runtime="multiprocess", donate=True,
+    )
+    assert report.ok
+
+
 def test_layouts_registry_has_the_documented_presets():
     assert {"dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp"} <= set(layouts.names())
