@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from core import optim, tree
 from core.optim.fused import fusable
@@ -121,6 +122,14 @@ def _buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bu
     return tuple(tuple(b) for b in out)
 
 
+def _dtensor(local: torch.Tensor, dm: Any, placements: Sequence[Any], like: torch.Tensor) -> DTensor:
+    """``DTensor.from_local(local, dm, placements, shape=like.shape, stride=like.stride())`` without its
+    autograd node and argument checks (~0.15 ms each, for every param, grad and state leaf per step):
+    the plan already knows the layout is consistent."""
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(dm, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
 # -- collectives on flat buffers ---------------------------------------------------------------------
 def _wait(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
@@ -162,8 +171,9 @@ def _launch_reduce(comm: _Comm, grads: list[torch.Tensor], target: list[ShardAt]
         flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
         flat = funcol.reduce_scatter_single(flat, "sum", 0, comm.group(rs))
     for m in comm.data_dims:
-        if m != rs and comm.size(m) > 1:
-            flat = funcol.all_reduce(flat, "sum", comm.group(m))
+        if m != rs and comm.size(m) > 1:  # in place: ``flat`` is this function's own buffer (funcol's copies)
+            flat = funcol._maybe_wrap_tensor(
+                torch.ops._c10d_functional.all_reduce_(_wait(flat), "sum", comm.group(m).group_name))
     return flat
 
 
@@ -323,8 +333,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
     for m in lp.data_dims:
         loss_sum = _wait(funcol.all_reduce(loss_sum, "sum", comm.group(m)))
     dm = mesh.device_mesh
-    out = [DTensor.from_local(reduced[i], dm, targets[i], run_check=False, shape=p.shape, stride=p.stride())
-           for i, p in enumerate(params)]
+    out = [_dtensor(reduced[i], dm, targets[i], p) for i, p in enumerate(params)]
     return loss_sum, out, total
 
 
@@ -367,13 +376,9 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
         for i, x in zip(b, new_b):
             new[i] = x
     def wrap(x: Any, like: Any) -> Any:  # a new state leaf, placed like the old one
-        if not isinstance(like, DTensor):
-            return x
-        return DTensor.from_local(x, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
+        return _dtensor(x, dm, like.placements, like) if isinstance(like, DTensor) else x
 
-    out = [DTensor.from_local(x, dm, pl, run_check=False, shape=p.shape, stride=p.stride())
-           for x, p, pl in zip(new, params, storage)]
+    out = [_dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, storage)]
     return out, tree.map(wrap, new_state, opt_state)
 
 
