@@ -39,7 +39,7 @@ from shardings.gather_params import regather_in_backward, to_compute
 from shardings.initialize import param_specs
 from shardings.mesh import Mesh, P
 from shardings.rules import logical_to_spec
-from shardings.simulate import unwrap
+from shardings.simulate import per_rank, unwrap
 
 __all__ = ["TrainStep", "default_token_count", "train_step"]
 
@@ -245,6 +245,13 @@ class TrainStep:
                 )
             if isinstance(x, DTensor):
                 return x.redistribute(self.mesh.device_mesh, lower.to_placements(spec, self.mesh, x.ndim))
+            ranks = per_rank(x)
+            if any(r.shape != ranks[0].shape or not torch.equal(r, ranks[0]) for r in ranks[1:]):
+                raise sharding_error(
+                    "the batch holds different values on different simulated ranks (a random op inside "
+                    "shardings.simulate() draws its own stream on each rank), so it is not one global batch",
+                    fix="build the batch before entering shardings.simulate()", path=path, spec=spec, mesh=self.mesh,
+                )
             return shard(x, spec, self.mesh)
 
         return tree.map_with_path(place, batch)

@@ -127,12 +127,13 @@ def test_real_processes_dp_cp_and_dp_ep():
 
 
 def test_step_reduces_cp_replicated_grads_over_cp_and_rings_kv():
+    batch = gpt.example_batch(GPT, 2)
     with shardings.simulate(2):
         mesh = Mesh(cp=2)
         params = shardings.init(gpt.init, core.random.key(0), GPT, axes=gpt.axes(GPT), layout="cp", mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=GPT), core.optim.sgd(0.1), layout="cp", mesh=mesh)
         with comms() as c:
-            _, grads, _ = step.grads(params, gpt.example_batch(GPT, 2))
+            _, grads, _ = step.grads(params, batch)
     # every grad ends reduced over cp (replicated); DTensor reduces some as Partial grads (all-reduce) and, at
     # these tiny sizes, gets others by all-gathering the seq-sharded activations first: its cost model picks
     assert all(g.placements == (Replicate(),) for g in core.tree.leaves(grads))

@@ -13,6 +13,7 @@ from shardings import Mesh, local_step
 from shardings.testing import check_equivalence
 
 CFG = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8)
+BATCH = gpt.example_batch(CFG, 4)  # built outside simulate(), where a random op draws one stream per rank
 SMALL_BUCKETS = 0.01  # 10 kB: several buckets for CFG, so bucket boundaries, overlap and prefetch all run
 
 
@@ -85,7 +86,7 @@ def test_dp_buckets_are_reduced_during_backward_in_backward_order(monkeypatch):
                         or launch(comm, g, t))
     with shardings.simulate(4):
         params, step = _step("dp", Mesh(dp=4), bucket_mb=SMALL_BUCKETS)
-        step.grads(params, gpt.example_batch(CFG, 4))
+        step.grads(params, BATCH)
         lp = step.plan(params).local
     # Every bucket's all-reduce starts inside backward (as soon as its last gradient exists): overlap.
     assert len(launched) == len(lp.reduces) > 1 and all(launched)
@@ -98,7 +99,7 @@ def test_zero3_regathers_buckets_in_backward_prefetching_the_next(monkeypatch):
     monkeypatch.setattr(local_step._Gathered, "_launch", lambda self, k: gathered.append(k) or launch(self, k))
     with shardings.simulate(4):
         params, step = _step("zero3", Mesh(dp=4), bucket_mb=SMALL_BUCKETS)
-        step.grads(params, gpt.example_batch(CFG, 4))
+        step.grads(params, BATCH)
         n = len(step.plan(params).local.gathers)
     forward, backward = gathered[:n], gathered[n:]
     assert forward == list(range(n))  # all launched before the loss runs
@@ -118,7 +119,7 @@ def test_unused_parameters_get_zero_gradients():
         params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="dp", mesh=mesh)
         step = shardings.train_step(functools.partial(loss_without_final_norm, cfg=CFG), core.optim.sgd(0.1),
                                     layout="dp", mesh=mesh, bucket_mb=SMALL_BUCKETS)
-        _, grads, _ = step.grads(params, gpt.example_batch(CFG, 4))
+        _, grads, _ = step.grads(params, BATCH)
         assert step.plan(params).local is not None
         assert float(shardings.unwrap(grads["final_norm"].full_tensor().abs().sum())) == 0.0
         assert float(shardings.unwrap(grads["embed"].full_tensor().abs().sum())) > 0.0
@@ -127,7 +128,7 @@ def test_unused_parameters_get_zero_gradients():
 def test_count_comms_false_leaves_the_comm_metrics_empty():
     with shardings.simulate(4):
         params, step = _step("dp", Mesh(dp=4), count_comms=False)
-        _, _, metrics = step(params, step.init(params), gpt.example_batch(CFG, 4))
+        _, _, metrics = step(params, step.init(params), BATCH)
     assert metrics["comm"] is None and metrics["comm_bytes"] is None and metrics["loss"] > 0
 
 

@@ -76,11 +76,12 @@ def test_a_rank_dependent_model_fails_equivalence_naming_the_path():
 
 
 def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True):
+    batch = gpt.example_batch(cfg, batch_size)
     with shardings.simulate(mesh.size):
         params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.adamw(1e-3), layout=layout,
                                     mesh=mesh, bucket_mb=bucket_mb, local=local)
-        _, _, metrics = step(params, step.init(params), gpt.example_batch(cfg, batch_size))
+        _, _, metrics = step(params, step.init(params), batch)
         metrics["local_plan"] = step.plan(params).local
     return {(r["kind"], r["axis"]): (r["count"], r["bytes"]) for r in metrics["comm"]}, metrics
 
@@ -244,11 +245,12 @@ def _saved_for_backward(layout, mesh, cfg, monkeypatch, local):
         return saved
 
     monkeypatch.setattr(owner, name, recording_pack)
+    batch = gpt.example_batch(cfg, 4)
     with shardings.simulate(mesh.size):
         params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), core.optim.sgd(0.1), layout=layout,
                                     mesh=mesh, local=local)
-        step.grads(params, gpt.example_batch(cfg, 4))
+        step.grads(params, batch)
         return shardings.memory(held)
 
 
@@ -273,6 +275,17 @@ def test_batch_not_divisible_by_data_ranks_times_accumulation_is_a_clear_error()
         with pytest.raises(ValueError, match=r"\['tokens'\].*batch size 2 is not divisible by 2 data-parallel ranks "
                                              r"× 2 accumulation steps.*Fix:"):
             step(params, step.init(params), gpt.example_batch(CFG, 2))
+
+
+def test_a_batch_that_differs_between_simulated_ranks_is_a_clear_error():
+    with shardings.simulate(2):
+        params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="tp", mesh=Mesh(tp=2))
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.sgd(0.1), layout="tp",
+                                    mesh=Mesh(tp=2))
+        batch = gpt.example_batch(CFG, 4)  # drawn inside simulate(): each rank gets its own tokens
+        with pytest.raises(ValueError, match=r"\['tokens'\].*different values on different simulated ranks.*"
+                                             r"Fix: build the batch before entering shardings.simulate"):
+            step(params, step.init(params), batch)
 
 
 def test_layout_needing_an_absent_axis_fails_before_any_work():
