@@ -277,6 +277,13 @@ def test_batch_not_divisible_by_data_ranks_times_accumulation_is_a_clear_error()
             step(params, step.init(params), gpt.example_batch(CFG, 2))
 
 
+def test_a_layout_that_leaves_a_mesh_axis_idle_repeats_the_work_along_it():
+    # tp+sp maps nothing to dp: both dp rows run the same step, and every rank matches one device.
+    report = check_equivalence(gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 4), layouts=["tp+sp"],
+                               mesh=Mesh(dp=2, tp=2), steps=2)
+    assert report.ok
+
+
 def test_a_batch_that_differs_between_simulated_ranks_is_a_clear_error():
     with shardings.simulate(2):
         params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="tp", mesh=Mesh(tp=2))
