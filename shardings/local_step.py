@@ -22,7 +22,6 @@ equivalence tests run both); :func:`plan` returns ``None`` for layouts this does
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -30,10 +29,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from core import optim, tree
 from core.optim.fused import fusable
+from shardings import flat_comm as fc
 from shardings.layouts import LOGICAL_NAMES, Layout
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
@@ -41,7 +40,7 @@ from shardings.rules import logical_to_spec
 __all__ = ["LocalPlan", "apply", "global_norm", "plan", "run"]
 
 DEFAULT_GATHER_MB = 25.0  # bucket cap for re-gathering updated ZeRO-1/2 parameters
-ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
+ShardAt = fc.ShardAt
 
 
 class LocalPlan(NamedTuple):
@@ -103,90 +102,15 @@ def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: La
     def key(i: int) -> tuple:
         return target[i][0] if target[i] else None, params[i].dtype
 
-    return LocalPlan(data_dims, tuple(stored), tuple(target), _buckets(gathered, params, key, bucket_mb),
-                     _buckets(kept, params, key, bucket_mb))
-
-
-def _buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bucket_mb: float | None):
-    cap = (bucket_mb or 0) * 1e6
-    out: list[list[int]] = []
-    open_: dict[Any, tuple[list[int], list[int]]] = {}  # key -> (leaves, [bytes])
-    for i in order:
-        nbytes = params[i].numel() * params[i].element_size()
-        cur = open_.get(key(i))
-        if cur is None or cur[1][0] + nbytes > cap:
-            cur = open_[key(i)] = ([], [0])
-            out.append(cur[0])
-        cur[0].append(i)
-        cur[1][0] += nbytes
-    return tuple(tuple(b) for b in out)
-
-
-def _dtensor(local: torch.Tensor, dm: Any, placements: Sequence[Any], like: torch.Tensor) -> DTensor:
-    """``DTensor.from_local(local, dm, placements, shape=like.shape, stride=like.stride())`` without its
-    autograd node and argument checks (~0.15 ms each, for every param, grad and state leaf per step):
-    the plan already knows the layout is consistent."""
-    meta = TensorMeta(like.shape, like.stride(), local.dtype)
-    return DTensor(local, DTensorSpec(dm, tuple(placements), tensor_meta=meta), requires_grad=False)
-
-
-# -- collectives on flat buffers ---------------------------------------------------------------------
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
-
-
-class _Comm(NamedTuple):
-    mesh: Any  # DeviceMesh
-    data_dims: tuple[int, ...]
-
-    def group(self, m: int):
-        return self.mesh.get_group(m)
-
-    def size(self, m: int) -> int:
-        return self.mesh.size(m)
-
-
-def _launch_gather(comm: _Comm, shards: list[torch.Tensor], at: tuple[int, int]) -> torch.Tensor:
-    flat = torch.cat([s.reshape(-1) for s in shards])
-    return funcol.all_gather_single(flat, 0, comm.group(at[0]))  # (n·L,), awaited on first use
-
-
-def _assemble(comm: _Comm, gathered: torch.Tensor, shards: list[torch.Tensor], at: list) -> list[torch.Tensor]:
-    n = comm.size(at[0][0])
-    rows = _wait(gathered).view(n, -1)  # (ranks, L): rank r's flat shards
-    pieces = rows.split([s.numel() for s in shards], dim=1)
-    # Shard(0): rank blocks stack in order; Shard(d): each rank's block is put back along d.
-    return [torch.cat([q.view(s.shape) for q in p.unbind(0)], dim=a[1]) if a[1]
-            else p.reshape(n * s.shape[0], *s.shape[1:]) for p, s, a in zip(pieces, shards, at)]
-
-
-def _launch_reduce(comm: _Comm, grads: list[torch.Tensor], target: list[ShardAt]) -> torch.Tensor:
-    """Sum ``grads`` over the data dims into their target layout; returns the flat local result (async)."""
-    rs = target[0][0] if target[0] is not None else None
-    if rs is None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-    else:  # rank r's chunks of every leaf, then rank r+1's: reduce-scatter leaves rank r with its chunks
-        n = comm.size(rs)
-        chunks = [g.chunk(n, dim=t[1]) for g, t in zip(grads, target)]
-        flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
-        flat = funcol.reduce_scatter_single(flat, "sum", 0, comm.group(rs))
-    for m in comm.data_dims:
-        if m != rs and comm.size(m) > 1:  # in place: ``flat`` is this function's own buffer (funcol's copies)
-            flat = funcol._maybe_wrap_tensor(
-                torch.ops._c10d_functional.all_reduce_(_wait(flat), "sum", comm.group(m).group_name))
-    return flat
-
-
-def _split_reduced(comm: _Comm, flat: torch.Tensor, like: list[torch.Tensor], target: list[ShardAt]):
-    shapes = [g.chunk(comm.size(t[0]), dim=t[1])[0].shape if t else g.shape for g, t in zip(like, target)]
-    return [p.view(s) for p, s in zip(_wait(flat).split([math.prod(s) for s in shapes]), shapes)]
+    return LocalPlan(data_dims, tuple(stored), tuple(target), fc.buckets(gathered, params, key, bucket_mb),
+                     fc.buckets(kept, params, key, bucket_mb))
 
 
 # -- one step ------------------------------------------------------------------------------------------
 class _Gathered:
     """Stored-sharded buckets: gathered before the loss, re-gathered in backward, reduce-scattered."""
 
-    def __init__(self, comm: _Comm, lp: LocalPlan, shards: list[torch.Tensor]):
+    def __init__(self, comm: fc.Comm, lp: LocalPlan, shards: list[torch.Tensor]):
         self.comm, self.lp, self.shards = comm, lp, shards
         self.full: dict[int, weakref.ref] = {}  # id(full tensor) -> (ref, bucket, position)
         self.cache: dict[int, Any] = {}  # bucket -> gathered flat (re-gathered in backward)
@@ -227,13 +151,13 @@ class _Gathered:
             flat = got if got is not None else self._launch(k)
             b = self.lp.gathers[k]
             shards, at = [self.shards[i] for i in b], [self.lp.stored[i] for i in b]
-            got = self.cache[k] = _assemble(self.comm, flat, shards, at)
+            got = self.cache[k] = fc.assemble(self.comm, flat, shards, at)
         return got
 
     def _launch(self, k: int) -> torch.Tensor:
         b = self.lp.gathers[k]
         with torch.no_grad():  # the gather's backward is _GatherBucket's, not autograd's
-            return _launch_gather(self.comm, [self.shards[i].detach() for i in b], self.lp.stored[b[0]])
+            return fc.launch_gather(self.comm, [self.shards[i].detach() for i in b], self.lp.stored[b[0]])
 
 
 class _Regather:  # a marker in saved-tensor tuples
@@ -245,7 +169,7 @@ class _GatherBucket(torch.autograd.Function):
     def forward(ctx, owner: _Gathered, k: int, flat: torch.Tensor, *shards: torch.Tensor):
         ctx.owner, ctx.k = owner, k
         b = owner.lp.gathers[k]
-        return tuple(_assemble(owner.comm, flat, list(shards), [owner.lp.stored[i] for i in b]))
+        return tuple(fc.assemble(owner.comm, flat, list(shards), [owner.lp.stored[i] for i in b]))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -254,8 +178,8 @@ class _GatherBucket(torch.autograd.Function):
         grads = [torch.zeros(_full_shape(owner, i), dtype=owner.shards[i].dtype) if g is None else g
                  for i, g in zip(b, grads)]
         target = [owner.lp.target[i] for i in b]
-        flat = _launch_reduce(owner.comm, grads, target)
-        return (None, None, None, *_split_reduced(owner.comm, flat, grads, target))
+        flat = fc.launch_reduce(owner.comm, grads, target)
+        return (None, None, None, *fc.split_reduced(owner.comm, flat, grads, target))
 
 
 def _full_shape(owner: _Gathered, i: int) -> torch.Size:
@@ -280,11 +204,11 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
     >>> loss, grads, tokens = run(lp, mesh, loss_fn, treedef, leaves, [rows], count, cast, targets)  # doctest: +SKIP
     """
-    comm = _Comm(mesh.device_mesh, lp.data_dims)
+    comm = fc.Comm(mesh.device_mesh, lp.data_dims)
     local = [p.to_local().detach().requires_grad_(True) for p in params]
     counts = torch.stack([torch.as_tensor(token_count(mb)) for mb in microbatches]).to(torch.int64)
     for m in lp.data_dims:
-        counts = _wait(funcol.all_reduce(counts, "sum", comm.group(m)))
+        counts = fc.wait(funcol.all_reduce(counts, "sum", comm.group(m)))
     total = counts.sum()
     acc: dict[int, torch.Tensor] = {}
     launched: list[Any] = [None] * len(lp.reduces)
@@ -296,7 +220,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
             ready[j][i] = g + acc[i] if i in acc else g
             if len(ready[j]) == len(lp.reduces[j]):  # the bucket's last gradient: launch its collective
                 b = lp.reduces[j]
-                launched[j] = _launch_reduce(comm, [ready[j][i] for i in b], [lp.target[i] for i in b])
+                launched[j] = fc.launch_reduce(comm, [ready[j][i] for i in b], [lp.target[i] for i in b])
         return hook
 
     for k, mb in enumerate(microbatches):
@@ -318,22 +242,22 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
         loss_sum = loss_sum + loss.detach().float()
         for i, g in enumerate(grads):
             if lp.stored[i] is not None:  # already reduce-scattered by its bucket's backward
-                g = torch.zeros_like(local[i]) if g is None else _wait(g)
+                g = torch.zeros_like(local[i]) if g is None else fc.wait(g)
             elif last or g is None:
                 continue
             acc[i] = acc[i] + g if i in acc else g
     for j, b in enumerate(lp.reduces):  # buckets whose gradients did not all arrive (unused params)
         if launched[j] is None:
             grads = [ready[j].get(i, acc.get(i, torch.zeros_like(local[i]))) for i in b]
-            launched[j] = _launch_reduce(comm, grads, [lp.target[i] for i in b])
+            launched[j] = fc.launch_reduce(comm, grads, [lp.target[i] for i in b])
     reduced = {i: g for i, g in acc.items() if lp.stored[i] is not None}
     for j, b in enumerate(lp.reduces):
         like = [local[i] for i in b]
-        reduced.update(zip(b, _split_reduced(comm, launched[j], like, [lp.target[i] for i in b])))
+        reduced.update(zip(b, fc.split_reduced(comm, launched[j], like, [lp.target[i] for i in b])))
     for m in lp.data_dims:
-        loss_sum = _wait(funcol.all_reduce(loss_sum, "sum", comm.group(m)))
+        loss_sum = fc.wait(funcol.all_reduce(loss_sum, "sum", comm.group(m)))
     dm = mesh.device_mesh
-    out = [_dtensor(reduced[i], dm, targets[i], p) for i, p in enumerate(params)]
+    out = [fc.dtensor(reduced[i], dm, targets[i], p) for i, p in enumerate(params)]
     return loss_sum, out, total
 
 
@@ -368,17 +292,17 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
         updates, new_state = optimizer.update(local_grads, local_state, tree.unflatten(treedef, p_opt))
         new = tree.leaves(optim.apply_updates(tree.unflatten(treedef, p_opt), updates))
     regather = [i for i in range(len(new)) if lp.stored[i] is None and lp.target[i] is not None]
-    comm = _Comm(dm, lp.data_dims)
-    for b in _buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):
+    comm = fc.Comm(dm, lp.data_dims)
+    for b in fc.buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):
         shards = [new[i] for i in b]
         at = [lp.target[i] for i in b]
-        new_b = _assemble(comm, _launch_gather(comm, shards, at[0]), shards, at)
+        new_b = fc.assemble(comm, fc.launch_gather(comm, shards, at[0]), shards, at)
         for i, x in zip(b, new_b):
             new[i] = x
     def wrap(x: Any, like: Any) -> Any:  # a new state leaf, placed like the old one
-        return _dtensor(x, dm, like.placements, like) if isinstance(like, DTensor) else x
+        return fc.dtensor(x, dm, like.placements, like) if isinstance(like, DTensor) else x
 
-    out = [_dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, storage)]
+    out = [fc.dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, storage)]
     return out, tree.map(wrap, new_state, opt_state)
 
 
@@ -397,5 +321,5 @@ def global_norm(lp: LocalPlan, mesh: Mesh, grads: Sequence[DTensor]) -> torch.Te
     total = torch.zeros(())
     for m, blocks in by_dim.items():
         sq = optim.global_norm(blocks).square()
-        total = total + (sq if m is None else _wait(funcol.all_reduce(sq, "sum", mesh.device_mesh.get_group(m))))
+        total = total + (sq if m is None else fc.wait(funcol.all_reduce(sq, "sum", mesh.device_mesh.get_group(m))))
     return total.sqrt()

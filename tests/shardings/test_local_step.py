@@ -9,7 +9,7 @@ import core
 import models.gpt as gpt
 import shardings
 from core import tree
-from shardings import Mesh, local_step
+from shardings import Mesh, flat_comm, local_step
 from shardings.testing import check_equivalence
 
 CFG = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8)
@@ -80,8 +80,8 @@ def test_only_a_donating_step_writes_into_the_params_it_was_given(layout):
 
 def test_dp_buckets_are_reduced_during_backward_in_backward_order(monkeypatch):
     launched = []
-    launch = local_step._launch_reduce
-    monkeypatch.setattr(local_step, "_launch_reduce",
+    launch = flat_comm.launch_reduce
+    monkeypatch.setattr(flat_comm, "launch_reduce",
                         lambda comm, g, t: launched.append(torch._C._current_autograd_node() is not None)
                         or launch(comm, g, t))
     with shardings.simulate(4):
