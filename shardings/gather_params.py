@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["regather_in_backward", "to_compute"]
+__all__ = ["regather_in_backward", "register", "to_compute"]
 
 
 class _Regather:
@@ -65,9 +65,15 @@ def to_compute(shard: DTensor, placements: Any) -> DTensor:
     if tuple(shard.placements) == tuple(placements):
         return shard
     gathered = shard.redistribute(shard.device_mesh, placements)
-    if _ACTIVE:
-        _ACTIVE[-1].add(gathered, shard.detach(), placements)
+    register(gathered, shard.detach(), placements)
     return gathered
+
+
+def register(gathered: DTensor, shard: DTensor, placements: Any) -> None:
+    """Inside :func:`regather_in_backward`, autograd saves ``gathered`` as "gather ``shard`` to ``placements``
+    again" (``gathered`` must own its storage from offset 0, as a fresh gather does)."""
+    if _ACTIVE:
+        _ACTIVE[-1].add(gathered, shard, placements)
 
 
 def _pack(t: torch.Tensor) -> Any:

@@ -31,11 +31,11 @@ from torch.distributed.tensor import DTensor
 
 import core
 from core import tree
-from shardings import accounting, buckets, layouts, local_step, lower
+from shardings import accounting, buckets, gather_buckets, layouts, local_step, lower
 from shardings.context import use
 from shardings.distribute import shard
 from shardings.errors import sharding_error
-from shardings.gather_params import regather_in_backward, to_compute
+from shardings.gather_params import regather_in_backward
 from shardings.initialize import param_specs
 from shardings.mesh import Mesh, P
 from shardings.rules import logical_to_spec
@@ -134,7 +134,7 @@ class TrainStep:
             for mb in self._microbatches(batch):
                 weight = self.token_count(mb) / total_tokens
                 with use(self.mesh, self.layout), regather_in_backward():
-                    compute = [to_compute(p, pl) for p, pl in zip(leaves, plan.placements["compute"])]
+                    compute = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb)
                     compute = self._cast_compute(compute)
                     loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                     del compute

@@ -1,0 +1,100 @@
+"""ZeRO-3 on the DTensor path in buckets: one all-gather per bucket forward, one reduce-scatter backward.
+
+:func:`~shardings.gather_params.to_compute` gathers one parameter per collective. Layouts that also
+split model axes (``zero3+tp+sp``) run the train step on DTensors, where that is a collective and a
+wait for every weight, and again for every gradient. Here each parameter whose storage differs from
+its compute layout only on one mesh dim, a plain ``Shard(d)`` there gathered to ``Replicate`` (the
+ZeRO-3 gather over the data axis), joins a bucket of its mesh dim and dtype. A bucket's local blocks
+are packed into one flat buffer, all-gathered once (:mod:`shardings.flat_comm`) and split back into
+DTensors in the compute layout; other mesh dims (tp) keep their blocks untouched. The bucket's
+backward reduce-scatters all its gradients that come back ``Partial`` over that dim with one
+collective. Gathered weights are registered with :func:`~shardings.gather_params.regather_in_backward`,
+so autograd keeps none of them alive (backward gathers each again, as before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from shardings import flat_comm as fc
+from shardings.gather_params import register, to_compute
+
+__all__ = ["gather"]
+
+
+def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: float | None) -> list[DTensor]:
+    """``[to_compute(s, p) for s, p in zip(shards, placements)]`` with one all-gather per bucket.
+
+    >>> compute = gather(leaves, plan.placements["compute"], bucket_mb=25)  # doctest: +SKIP
+    """
+    out: list[DTensor] = list(shards)
+    at: dict[int, tuple[int, int]] = {}
+    for i, (s, pl) in enumerate(zip(shards, placements)):
+        where = _gathered_at(s, pl) if bucket_mb else None
+        if where is None:
+            out[i] = to_compute(s, pl)
+        else:
+            at[i] = where
+    for b in fc.buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb):
+        fulls = _GatherBucket.apply(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
+                                    *(shards[i] for i in b))
+        for i, full in zip(b, fulls):
+            out[i] = full
+            register(full, shards[i].detach(), placements[i])
+    return out
+
+
+def _gathered_at(s: DTensor, placements: Sequence[Any]) -> tuple[int, int] | None:
+    """``(mesh dim, tensor dim)`` when ``s`` goes to ``placements`` by gathering one plain, even Shard."""
+    if not isinstance(s, DTensor):
+        return None
+    diff = [m for m, (a, b) in enumerate(zip(s.placements, placements)) if a != b]
+    if len(diff) != 1:
+        return None
+    m = diff[0]
+    a = s.placements[m]
+    if type(a) is not Shard or not isinstance(placements[m], Replicate):
+        return None
+    if any(isinstance(p, Shard) and p.dim == a.dim for k, p in enumerate(s.placements) if k != m):
+        return None  # the dim is split twice: a gather over one mesh dim leaves a strided shard
+    return (m, a.dim) if s.shape[a.dim] % s.device_mesh.size(m) == 0 else None
+
+
+class _GatherBucket(torch.autograd.Function):
+    """Forward: the bucket's blocks all-gathered over their mesh dim. Backward: the gradients reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx: Any, at: tuple, placements: tuple, *shards: DTensor) -> tuple[DTensor, ...]:
+        dm = shards[0].device_mesh
+        comm = fc.Comm(dm, (at[0][0],))
+        ctx.comm, ctx.at, ctx.likes = comm, at, [s.detach() for s in shards]
+        blocks = [s.to_local() for s in shards]
+        fulls = fc.assemble(comm, fc.launch_gather(comm, blocks, at[0]), blocks, list(at))
+        return tuple(fc.dtensor(f, dm, pl, s) for f, pl, s in zip(fulls, placements, shards))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: DTensor | None) -> tuple[DTensor | None, ...]:
+        dm, m = ctx.comm.mesh, ctx.at[0][0]
+        out: list[DTensor | None] = [None] * len(grads)
+        summed: list[tuple[int, torch.Tensor]] = []  # (leaf, local gradient) Partial(sum) over m
+        for k, (g, like) in enumerate(zip(grads, ctx.likes)):
+            if g is None:
+                continue
+            stored = tuple(like.placements)
+            other = tuple(stored[j] if j != m else g.placements[m] for j in range(len(stored)))
+            g = g if tuple(g.placements) == other else g.redistribute(dm, other)  # other mesh dims as stored
+            if isinstance(g.placements[m], Partial) and g.placements[m].reduce_op == "sum":
+                summed.append((k, g.to_local()))
+            else:
+                out[k] = g.redistribute(dm, stored)
+        if summed:
+            blocks, at = [b for _, b in summed], [ctx.at[k] for k, _ in summed]
+            flat = fc.launch_reduce(ctx.comm, blocks, at)
+            for (k, _), local in zip(summed, fc.split_reduced(ctx.comm, flat, blocks, at)):
+                out[k] = fc.dtensor(local, dm, ctx.likes[k].placements, ctx.likes[k])
+        return (None, None, *out)
