@@ -9,11 +9,13 @@ are packed into one flat buffer, all-gathered once (:mod:`shardings.flat_comm`) 
 DTensors in the compute layout; other mesh dims (tp) keep their blocks untouched. The bucket's
 backward reduce-scatters all its gradients that come back ``Partial`` over that dim with one
 collective. Gathered weights are registered with :func:`~shardings.gather_params.regather_in_backward`,
-so autograd keeps none of them alive (backward gathers each again, as before).
+so autograd keeps none of them alive: the first weight backward needs gathers the whole bucket again
+(one collective), held until the bucket's own backward has run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,12 +43,32 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
         else:
             at[i] = where
     for b in fc.buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb):
-        fulls = _GatherBucket.apply(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
-                                    *(shards[i] for i in b))
-        for i, full in zip(b, fulls):
+        bucket = _Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
+                         [shards[i].detach() for i in b])
+        for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, *(shards[i] for i in b)))):
             out[i] = full
-            register(full, shards[i].detach(), placements[i])
+            register(full, functools.partial(bucket.regathered, pos))
     return out
+
+
+class _Bucket:
+    """One bucket's leaves: how to gather them all with one collective, and the copy backward re-gathered."""
+
+    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor]):
+        self.at, self.placements, self.shards = at, placements, shards
+        self.comm = fc.Comm(shards[0].device_mesh, (at[0][0],))
+        self.cached: tuple[DTensor, ...] | None = None  # the backward re-gather, until the bucket's backward ends
+
+    def gather(self, shards: Sequence[DTensor]) -> tuple[DTensor, ...]:
+        blocks = [s.to_local() for s in shards]
+        fulls = fc.assemble(self.comm, fc.launch_gather(self.comm, blocks, self.at[0]), blocks, list(self.at))
+        return tuple(fc.dtensor(f, self.comm.mesh, pl, s) for f, pl, s in zip(fulls, self.placements, shards))
+
+    def regathered(self, pos: int) -> DTensor:
+        """Leaf ``pos`` gathered again for backward: the first leaf asked for gathers the whole bucket."""
+        if self.cached is None:
+            self.cached = self.gather(self.shards)
+        return self.cached[pos]
 
 
 def _gathered_at(s: DTensor, placements: Sequence[Any]) -> tuple[int, int] | None:
@@ -66,23 +88,22 @@ def _gathered_at(s: DTensor, placements: Sequence[Any]) -> tuple[int, int] | Non
 
 
 class _GatherBucket(torch.autograd.Function):
-    """Forward: the bucket's blocks all-gathered over their mesh dim. Backward: the gradients reduce-scattered."""
+    """Forward: the bucket's blocks all-gathered over their mesh dim. Backward: the gradients reduce-scattered
+    (it runs once every leaf's gradient exists, after the last use of the re-gathered weights: freed here)."""
 
     @staticmethod
-    def forward(ctx: Any, at: tuple, placements: tuple, *shards: DTensor) -> tuple[DTensor, ...]:
-        dm = shards[0].device_mesh
-        comm = fc.Comm(dm, (at[0][0],))
-        ctx.comm, ctx.at, ctx.likes = comm, at, [s.detach() for s in shards]
-        blocks = [s.to_local() for s in shards]
-        fulls = fc.assemble(comm, fc.launch_gather(comm, blocks, at[0]), blocks, list(at))
-        return tuple(fc.dtensor(f, dm, pl, s) for f, pl, s in zip(fulls, placements, shards))
+    def forward(ctx: Any, bucket: _Bucket, *shards: DTensor) -> tuple[DTensor, ...]:
+        ctx.bucket = bucket
+        return bucket.gather(shards)
 
     @staticmethod
     def backward(ctx: Any, *grads: DTensor | None) -> tuple[DTensor | None, ...]:
-        dm, m = ctx.comm.mesh, ctx.at[0][0]
+        bucket = ctx.bucket
+        bucket.cached = None
+        dm, m = bucket.comm.mesh, bucket.at[0][0]
         out: list[DTensor | None] = [None] * len(grads)
         summed: list[tuple[int, torch.Tensor]] = []  # (leaf, local gradient) Partial(sum) over m
-        for k, (g, like) in enumerate(zip(grads, ctx.likes)):
+        for k, (g, like) in enumerate(zip(grads, bucket.shards)):
             if g is None:
                 continue
             stored = tuple(like.placements)
@@ -93,8 +114,8 @@ class _GatherBucket(torch.autograd.Function):
             else:
                 out[k] = g.redistribute(dm, stored)
         if summed:
-            blocks, at = [b for _, b in summed], [ctx.at[k] for k, _ in summed]
-            flat = fc.launch_reduce(ctx.comm, blocks, at)
-            for (k, _), local in zip(summed, fc.split_reduced(ctx.comm, flat, blocks, at)):
-                out[k] = fc.dtensor(local, dm, ctx.likes[k].placements, ctx.likes[k])
-        return (None, None, *out)
+            blocks, at = [b for _, b in summed], [bucket.at[k] for k, _ in summed]
+            flat = fc.launch_reduce(bucket.comm, blocks, at)
+            for (k, _), local in zip(summed, fc.split_reduced(bucket.comm, flat, blocks, at)):
+                out[k] = fc.dtensor(local, dm, bucket.shards[k].placements, bucket.shards[k])
+        return (None, *out)

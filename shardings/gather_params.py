@@ -11,8 +11,9 @@ unpacked in backward by gathering again: all-gather forward, all-gather backward
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,39 +23,39 @@ __all__ = ["regather_in_backward", "register", "to_compute"]
 
 
 class _Regather:
-    """A saved tensor replaced by "gather ``shard`` again, then take the same view"."""
+    """A saved tensor replaced by "gather again (``gather()``), then take the same view"."""
 
-    __slots__ = ("local_geometry", "placements", "shard", "view_placements", "view_shape", "view_stride")
+    __slots__ = ("gather", "local_geometry", "view_placements", "view_shape", "view_stride")
 
-    def __init__(self, shard: DTensor, placements: Any, view: DTensor):
-        self.shard, self.placements = shard, placements
+    def __init__(self, gather: Callable[[], DTensor], view: DTensor):
+        self.gather = gather
         local = view._local_tensor
         self.local_geometry = (local.size(), local.stride(), local.storage_offset())
         self.view_placements, self.view_shape, self.view_stride = view.placements, view.shape, view.stride()
 
     def __call__(self) -> DTensor:
         with torch.no_grad():
-            full = self.shard.redistribute(self.shard.device_mesh, self.placements)
+            full = self.gather()
             local = full._local_tensor.as_strided(*self.local_geometry)
         return DTensor.from_local(
-            local, self.shard.device_mesh, self.view_placements, run_check=False,
+            local, full.device_mesh, self.view_placements, run_check=False,
             shape=self.view_shape, stride=self.view_stride,
         )
 
 
 class _Registry:
     def __init__(self) -> None:
-        self.gathered: dict[int, tuple[weakref.ref, DTensor, Any]] = {}
+        self.gathered: dict[int, tuple[weakref.ref, Callable[[], DTensor]]] = {}
 
-    def add(self, gathered: DTensor, shard: DTensor, placements: Any) -> None:
-        self.gathered[id(gathered)] = (weakref.ref(gathered), shard, placements)
+    def add(self, gathered: DTensor, gather: Callable[[], DTensor]) -> None:
+        self.gathered[id(gathered)] = (weakref.ref(gathered), gather)
 
-    def lookup(self, t: torch.Tensor) -> tuple[DTensor, Any] | None:
+    def lookup(self, t: torch.Tensor) -> Callable[[], DTensor] | None:
         base = t._base if t._base is not None else t
         entry = self.gathered.get(id(base))
         if entry is None or entry[0]() is not base:
             return None
-        return entry[1], entry[2]
+        return entry[1]
 
 
 _ACTIVE: list[_Registry] = []
@@ -65,20 +66,24 @@ def to_compute(shard: DTensor, placements: Any) -> DTensor:
     if tuple(shard.placements) == tuple(placements):
         return shard
     gathered = shard.redistribute(shard.device_mesh, placements)
-    register(gathered, shard.detach(), placements)
+    register(gathered, functools.partial(_redistribute, shard.detach(), placements))
     return gathered
 
 
-def register(gathered: DTensor, shard: DTensor, placements: Any) -> None:
-    """Inside :func:`regather_in_backward`, autograd saves ``gathered`` as "gather ``shard`` to ``placements``
-    again" (``gathered`` must own its storage from offset 0, as a fresh gather does)."""
+def register(gathered: DTensor, gather: Callable[[], DTensor]) -> None:
+    """Inside :func:`regather_in_backward`, autograd saves ``gathered`` (or a view of it) as a call to
+    ``gather()``, which must return an equal tensor laid out the same way (a fresh gather does)."""
     if _ACTIVE:
-        _ACTIVE[-1].add(gathered, shard, placements)
+        _ACTIVE[-1].add(gathered, gather)
+
+
+def _redistribute(shard: DTensor, placements: Any) -> DTensor:
+    return shard.redistribute(shard.device_mesh, placements)
 
 
 def _pack(t: torch.Tensor) -> Any:
-    hit = _ACTIVE[-1].lookup(t) if _ACTIVE and isinstance(t, DTensor) else None
-    return _Regather(hit[0], hit[1], t) if hit else t
+    gather = _ACTIVE[-1].lookup(t) if _ACTIVE and isinstance(t, DTensor) else None
+    return _Regather(gather, t) if gather else t
 
 
 def _unpack(saved: Any) -> torch.Tensor:

@@ -25,13 +25,17 @@ OPT = core.optim.adamw(1e-2, weight_decay=0.1)
 # -- helpers (module level: launched ranks import them) ----------------------------------------------
 
 
+# Built here, not inside simulate(), where a random op draws one stream per rank (train_step refuses such a batch).
+BATCHES = [gpt.example_batch(CFG, 4, seed=i) for i in range(2)]
+
+
 def train_state(layout=None, mesh=None, steps=0, cfg=CFG):
     """A whole train state after ``steps`` Adam steps: sharded by ``layout`` on ``mesh``, or on one device."""
     key = core.random.key(0)
     if mesh is None:
         params, opt_state = gpt.init(key, cfg), OPT.init(gpt.init(key, cfg))
         for i in range(steps):
-            grads = core.grad(gpt.loss)(params, gpt.example_batch(cfg, 4, seed=i), cfg)
+            grads = core.grad(gpt.loss)(params, BATCHES[i], cfg)
             updates, opt_state = OPT.update(grads, opt_state, params)
             params = core.optim.apply_updates(params, updates)
     else:
@@ -39,7 +43,7 @@ def train_state(layout=None, mesh=None, steps=0, cfg=CFG):
         step_fn = shardings.train_step(functools.partial(gpt.loss, cfg=cfg), OPT, layout=layout, mesh=mesh)
         opt_state = step_fn.init(params)
         for i in range(steps):
-            params, opt_state, _ = step_fn(params, opt_state, gpt.example_batch(cfg, 4, seed=i))
+            params, opt_state, _ = step_fn(params, opt_state, BATCHES[i])
     return {
         "params": params,
         "opt_state": opt_state,

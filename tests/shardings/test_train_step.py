@@ -180,21 +180,24 @@ def test_zero3_gathers_forward_regathers_backward_and_reduce_scatters():
 
 
 @pytest.mark.parametrize("bucket_mb", [25, None])
-def test_zero3_on_the_dtensor_path_gathers_in_buckets_and_regathers_per_weight(bucket_mb):
+def test_zero3_on_the_dtensor_path_gathers_and_reduces_per_bucket(bucket_mb):
     n, params = 4, gpt.init(core.random.key(0), CFG)
     comm, _ = _one_step_comm("zero3", Mesh(dp=n), local=False, bucket_mb=bucket_mb)
     four_p, leaves = sum(4 * x.numel() for x in tree.leaves(params)), len(tree.leaves(params))
-    # Forward: one all-gather for the bucket (the whole tiny model), or one per weight without buckets.
-    # Backward re-gathers every weight autograd needs (the embedding lookup's backward needs none), then
-    # one reduce-scatter per bucket (or per weight).
+    if bucket_mb:  # one bucket (the whole tiny model): gathered forward, again in backward, reduce-scattered
+        assert comm == {
+            ("all_gather", "dp"): (2, _ring("all_gather", n, 2 * four_p)),
+            ("reduce_scatter", "dp"): (1, _ring("reduce_scatter", n, four_p)),
+        }
+        assert sum(b for _, b in comm.values()) == 1.5 * _ring("all_reduce", n, four_p)  # DESIGN §6: 1.5× dp
+        return
+    # One collective per weight; backward re-gathers only the weights autograd saved (the embedding
+    # lookup's backward needs none).
     regathered = four_p - 4 * params["embed"].numel()
-    per_bucket = 1 if bucket_mb else leaves
     assert comm == {
-        ("all_gather", "dp"): (per_bucket + leaves - 1, _ring("all_gather", n, four_p + regathered)),
-        ("reduce_scatter", "dp"): (per_bucket, _ring("reduce_scatter", n, four_p)),
+        ("all_gather", "dp"): (2 * leaves - 1, _ring("all_gather", n, four_p + regathered)),
+        ("reduce_scatter", "dp"): (leaves, _ring("reduce_scatter", n, four_p)),
     }
-    total = sum(b for _, b in comm.values())
-    assert total <= 1.5 * _ring("all_reduce", n, four_p)  # DESIGN §6: 1.5× dp (equal when every weight is reused)
 
 
 @pytest.mark.parametrize("layers", [1, 2])
