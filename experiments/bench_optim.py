@@ -4,11 +4,14 @@
 
 One timed step is ``opt.update`` then ``apply_updates`` (ours: a pure function returning new params
 and state) or ``torch.optim.AdamW.step()`` (in place, on ``.grad``), on plain float32 tensors shaped
-like ``models.gpt.init``'s params. Four rows per config:
+like ``models.gpt.init``'s params. Six rows per config:
 
 - ``per_leaf``: ours inside ``core.optim.foreach.per_leaf()`` (one ``tree.map`` call per op per leaf);
 - ``foreach``: ours as shipped (``torch._foreach_*`` over the leaf list);
-- ``torch_foreach`` / ``torch_for_loop``: ``torch.optim.AdamW(foreach=True / False)``.
+- ``fused_step``: ours in place on donated buffers (``adamw(...).fused_step``: torch's fused kernel),
+  what ``train_step(donate=True)`` runs on local shards;
+- ``torch_foreach`` / ``torch_for_loop`` / ``torch_fused``: ``torch.optim.AdamW(foreach=True / False,
+  fused=True)``.
 
 Configs: ``gpt_small`` (as experiments/bench.py: 39 leaves, 3.7M params; memory-bound kernels),
 ``narrow`` (16 thin layers: 147 small leaves, where per-op Python overhead dominates).
@@ -61,16 +64,27 @@ def _ours(params: dict, grads: dict, per_leaf: bool) -> Callable[[], None]:
     return step
 
 
-def _torch(params: dict, grads: dict, foreach: bool) -> Callable[[], None]:
+def _ours_fused(params: dict, grads: dict) -> Callable[[], None]:
+    opt = optim.adamw(1e-3, weight_decay=0.01)
+    box = [tree.map(torch.clone, params), None]
+    box[1] = opt.init(box[0])
+
+    def step() -> None:
+        box[0], box[1] = opt.fused_step(grads, box[1], box[0])
+
+    return step
+
+
+def _torch(params: dict, grads: dict, foreach: bool, fused: bool = False) -> Callable[[], None]:
     ps = [p.clone().requires_grad_(True) for p in tree.leaves(params)]
     for p, g in zip(ps, tree.leaves(grads)):
         p.grad = g.clone()
-    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=foreach)
+    opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=None if fused else foreach, fused=fused or None)
     return opt.step
 
 
 def run(config: str, repeats: int) -> list[dict]:
-    """Time the four variants on ``config``'s param shapes; one row each (ms, ratio to ``torch_foreach``)."""
+    """Time the six variants on ``config``'s param shapes; one row each (ms, ratio to ``torch_foreach``)."""
     cfg = gpt.Config(**_CONFIGS[config])
     params = gpt.init(core.random.key(0), cfg)
     gen = torch.Generator().manual_seed(0)
@@ -78,8 +92,10 @@ def run(config: str, repeats: int) -> list[dict]:
     steps = {
         "per_leaf": _ours(params, grads, per_leaf=True),
         "foreach": _ours(params, grads, per_leaf=False),
+        "fused_step": _ours_fused(params, grads),
         "torch_foreach": _torch(params, grads, foreach=True),
         "torch_for_loop": _torch(params, grads, foreach=False),
+        "torch_fused": _torch(params, grads, foreach=False, fused=True),
     }
     with torch.no_grad():
         ms = _median_ms(steps, repeats)
