@@ -268,7 +268,7 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
 
     The update runs on each rank's block in the optimizer-state layout: the optimizer's
     ``fused_step`` (one fused kernel, in place; on copies unless ``donate``) where it has one and
-    the blocks are plain tensors, else its pure ``update`` (one foreach kernel per op); no DTensor
+    the blocks are plain (or LocalTensor) tensors, else its pure ``update`` (one foreach kernel per op); no DTensor
     dispatch either way. Parameters stored replicated whose state is sharded (ZeRO-1/2) are
     all-gathered back in buckets, one collective per bucket.
 

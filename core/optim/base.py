@@ -2,7 +2,8 @@
 
 As in optax, an optimizer is two pure functions in a NamedTuple: ``init(params) -> state`` and
 ``update(updates, state, params=None) -> (updates, new_state)``. States are NamedTuple pytrees,
-so a layout can shard them exactly like the params they mirror (ZeRO). Nothing is mutated.
+so a layout can shard them exactly like the params they mirror (ZeRO). Nothing is mutated
+(``fused_step`` is the one exception: it writes into buffers its caller donates).
 
 Leaves may be plain tensors or DTensors (sharded or replicated). Every op used here is one
 DTensor supports, scalars that depend on the step (bias corrections, learning rates) are 0-d
@@ -49,7 +50,8 @@ class GradientTransformation(NamedTuple):
         fused_step: ``fused_step(grads, state, params) -> (new_params, new_state)``, the same as
             ``update`` then ``apply_updates`` (to float rounding) in one fused kernel that writes
             into the buffers of ``params`` and ``state`` (the caller donates them, as with JAX's
-            ``donate_argnums``). Plain tensors only; ``None`` where there is no fused form.
+            ``donate_argnums``). Plain tensors (or simulated ranks' LocalTensors), not DTensors; ``None``
+            where there is no fused form.
     """
 
     init: Callable[[PyTree], PyTree]
