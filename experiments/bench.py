@@ -19,14 +19,17 @@ pair (ours)        our mesh                      torch side
                                                  ``init_device_mesh``, then FSDP2 on ``mesh["dp"]``
 =================  ============================  ====================================================
 
-The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side: median step time
-after warm-up, ours/native, peak memory per rank (growth of the process's max RSS during the run,
-the max over ranks: CPU tensors have no allocator counter), and comm bytes per rank per step, both
-*measured* by ``shardings.accounting.comms()`` around the step: it sees DDP's bucket all-reduces,
-FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the dispatcher as
-c10d ops). It does not see collectives DTensor issues from inside an op's own dispatch — on the
-torch side only ``loss_parallel``'s all-reduces of a few floats per token (~0.1% of gpt_small's TP
-traffic); the same blind spot holds for ours (a redistribution DTensor makes implicitly inside an op).
+The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side (the max over
+ranks): median step time after warm-up, ours/native; **peak memory**: the most bytes live tensors
+held at once during one warm-up step, the parameters and optimizer state included
+(:func:`shardings.peak_memory.peak_memory`, what ``torch.cuda.max_memory_allocated`` reports on a
+GPU; CPU tensors have no allocator counter); the growth of the process's max RSS over the run (code,
+Python objects and what malloc keeps count there too: noisy); and comm bytes per rank per step,
+*measured* by ``shardings.accounting.comms()`` around the first step: it sees DDP's bucket
+all-reduces, FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the
+dispatcher as c10d ops). Both counters are dispatch modes, so neither sees inside an op DTensor
+dispatches: the torch side's ``loss_parallel`` all-reduces of a few floats per token (~0.1% of
+gpt_small's TP traffic) and such an op's scratch tensors are missed; the same holds for ours.
 
 Configs: ``gpt_small`` (compute-bound on CPU), ``comm`` (wide and short, 4 sequences of 16 tokens:
 communication dominates), ``quick`` (``--quick``: a tiny smoke run).
@@ -55,6 +58,7 @@ import models.gpt as gpt
 import shardings
 from experiments import native_gpt
 from experiments.tables import write_csv
+from shardings.peak_memory import PeakMemory, peak_memory
 
 
 class _Config(NamedTuple):
@@ -88,15 +92,18 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _timed(step, steps: int, warmup: int) -> tuple[list[float], float]:
-    times, first_loss = [], None
-    for _ in range(warmup + steps):
+def _timed(step, steps: int, warmup: int) -> tuple[list[float], float, PeakMemory]:
+    """Step times after ``warmup`` untimed steps; the first counts collectives, the second live tensor bytes."""
+    times, first_loss, mem, measure_at = [], None, None, min(1, warmup - 1)
+    for i in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
-        loss = step(len(times) == 0)  # collectives counted on the first (warm-up) step only: counting costs time
-        times.append(time.perf_counter() - start)
+        with peak_memory() if i == measure_at else contextlib.nullcontext() as m:
+            start = time.perf_counter()
+            loss = step(i == 0)  # counting (collectives, memory) costs time: warm-up steps only
+            times.append(time.perf_counter() - start)
+        mem = m or mem
         first_loss = loss if first_loss is None else first_loss
-    return times[warmup:], first_loss
+    return times[warmup:], first_loss, mem
 
 
 def _ours(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, comm: list[int]):
@@ -163,9 +170,9 @@ def _worker(side: str, layout: str, cfg_kw: dict, batch_size: int, steps: int, w
     batch = gpt.example_batch(cfg, batch_size)
     comm = [0]
     step = (_ours if side == "ours" else _native)(layout, _PAIRS[layout].mesh, cfg, batch, comm)
-    times, loss = _timed(step, steps, warmup)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
-    return {"times": times, "loss": loss, "peak_mb": peak, "comm_bytes": comm[0]}
+    times, loss, mem = _timed(step, steps, warmup)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
+    return {"times": times, "loss": loss, "peak_mb": mem.peak / 2**20, "rss_mb": rss, "comm_bytes": comm[0]}
 
 
 def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int) -> list[dict]:
@@ -200,6 +207,8 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
             "ratio": round(med["ours"] / med["native"], 3),
             "ours_peak_mb": round(max(r["peak_mb"] for r in res["ours"]), 1),
             "native_peak_mb": round(max(r["peak_mb"] for r in res["native"]), 1),
+            "ours_rss_mb": round(max(r["rss_mb"] for r in res["ours"]), 1),
+            "native_rss_mb": round(max(r["rss_mb"] for r in res["native"]), 1),
             "ours_comm_bytes": max(r["comm_bytes"] for r in res["ours"]),
             "native_comm_bytes": max(r["comm_bytes"] for r in res["native"]),
             "loss_ours": round(loss["ours"], 6), "loss_native": round(loss["native"], 6),
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=None, help="global batch size (rows); default per config")
     parser.add_argument("--csv", default="bench.csv", help="where to write the table")
     args = parser.parse_args(argv)
-    configs, steps, warmup = (["quick"], 3, 1) if args.quick else (args.config, args.steps, 3)
+    configs, steps, warmup = (["quick"], 3, 2) if args.quick else (args.config, args.steps, 3)
     rows = [r for config in configs for r in run(args.pairs, config, args.batch, steps, warmup)]
     cols = list(rows[0])
     print(" | ".join(cols))

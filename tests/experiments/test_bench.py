@@ -21,6 +21,8 @@ def test_quick_dp_vs_ddp_same_loss_and_a_csv_row(tmp_path):
     # ours adds only the step's metric all-reduces (loss, token count: a few bytes).
     assert row["native_comm_bytes"] == 2 * 3 * FOUR_P // 4
     assert 0 <= row["ours_comm_bytes"] - row["native_comm_bytes"] < 64
+    # Peak live tensor bytes: both sides hold params, AdamW's two moments and the grads at once (16P).
+    assert min(row["ours_peak_mb"], row["native_peak_mb"]) >= 4 * FOUR_P / 2**20 - 0.05  # rounded to 0.1
     (written,) = list(csv.DictReader(out.open()))
     assert written["pair"] == "dp vs DDP"
 
