@@ -37,7 +37,7 @@ from shardings.layouts import LOGICAL_NAMES, Layout
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
 
-__all__ = ["LocalPlan", "apply", "global_norm", "plan", "run"]
+__all__ = ["LocalPlan", "apply", "global_norm", "plan", "run", "update_blocks"]
 
 DEFAULT_GATHER_MB = 25.0  # bucket cap for re-gathering updated ZeRO-1/2 parameters
 ShardAt = fc.ShardAt
@@ -261,36 +261,51 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
     return loss_sum, out, total
 
 
+def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_state: Any, grads: Sequence[Any],
+                  donate: bool = False) -> tuple[list[torch.Tensor], Any]:
+    """An elementwise optimizer's update on each rank's blocks; returns ``(new blocks, new state)``.
+
+    ``blocks`` are the local blocks of the parameters in the optimizer-state layout; ``grads`` and
+    ``opt_state`` are in that layout (DTensors or not). The update runs the optimizer's
+    ``fused_step`` (one fused kernel, in place; on copies unless ``donate``) where it has one and
+    the blocks are plain (or LocalTensor) tensors, else its pure ``update`` (one foreach kernel per
+    op); no DTensor dispatch either way. New state leaves are placed like the old ones.
+
+    >>> blocks, state = update_blocks(adamw, treedef, [p.to_local() for p in leaves], state, grads)  # doctest: +SKIP
+    """
+    def unwrap(x: Any) -> Any:
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    local_grads, local_state = tree.unflatten(treedef, [unwrap(g) for g in grads]), tree.map(unwrap, opt_state)
+    fused_step = getattr(optimizer, "fused_step", None)
+    if fused_step is not None and fusable(blocks, local_state, local_grads):
+        if not donate:
+            blocks = [x.clone() for x in blocks]
+            local_state = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, local_state)
+        new, new_state = fused_step(local_grads, local_state, tree.unflatten(treedef, blocks))
+    else:
+        updates, new_state = optimizer.update(local_grads, local_state, tree.unflatten(treedef, blocks))
+        new = optim.apply_updates(tree.unflatten(treedef, blocks), updates)
+
+    def wrap(x: Any, like: Any) -> Any:  # a new state leaf, placed like the old one
+        return fc.dtensor(x, like.device_mesh, like.placements, like) if isinstance(like, DTensor) else x
+
+    return tree.leaves(new), tree.map(wrap, new_state, opt_state)
+
+
 def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Sequence[DTensor], opt_state: Any,
           grads: Sequence[DTensor], targets: Sequence[Any], storage: Sequence[Any],
           donate: bool = False) -> tuple[list[DTensor], Any]:
-    """One update of an elementwise optimizer on local shards; returns ``(params in storage layout, state)``.
-
-    The update runs on each rank's block in the optimizer-state layout: the optimizer's
-    ``fused_step`` (one fused kernel, in place; on copies unless ``donate``) where it has one and
-    the blocks are plain (or LocalTensor) tensors, else its pure ``update`` (one foreach kernel per op); no DTensor
-    dispatch either way. Parameters stored replicated whose state is sharded (ZeRO-1/2) are
-    all-gathered back in buckets, one collective per bucket.
+    """One update of an elementwise optimizer on local shards (:func:`update_blocks`); returns
+    ``(params in storage layout, state)``. Parameters stored replicated whose state is sharded
+    (ZeRO-1/2) are all-gathered back in buckets, one collective per bucket.
 
     >>> params, state = apply(lp, mesh, adamw, treedef, leaves, state, grads, targets, storage)  # doctest: +SKIP
     """
     dm = mesh.device_mesh
     p_opt = [p.to_local() if lp.stored[i] is not None or lp.target[i] is None
              else p.redistribute(dm, targets[i]).to_local() for i, p in enumerate(params)]  # a local chunk, no comm
-    def unwrap(x: Any) -> Any:
-        return x.to_local() if isinstance(x, DTensor) else x
-
-    local_grads, local_state = tree.unflatten(treedef, [unwrap(g) for g in grads]), tree.map(unwrap, opt_state)
-    fused_step = getattr(optimizer, "fused_step", None)
-    if fused_step is not None and fusable(p_opt, local_state, local_grads):
-        if not donate:
-            p_opt = [x.clone() for x in p_opt]
-            local_state = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, local_state)
-        new, new_state = fused_step(local_grads, local_state, tree.unflatten(treedef, p_opt))
-        new = tree.leaves(new)
-    else:
-        updates, new_state = optimizer.update(local_grads, local_state, tree.unflatten(treedef, p_opt))
-        new = tree.leaves(optim.apply_updates(tree.unflatten(treedef, p_opt), updates))
+    new, new_state = update_blocks(optimizer, treedef, p_opt, opt_state, grads, donate)
     regather = [i for i in range(len(new)) if lp.stored[i] is None and lp.target[i] is not None]
     comm = fc.Comm(dm, lp.data_dims)
     for b in fc.buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):
@@ -299,11 +314,8 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
         new_b = fc.assemble(comm, fc.launch_gather(comm, shards, at[0]), shards, at)
         for i, x in zip(b, new_b):
             new[i] = x
-    def wrap(x: Any, like: Any) -> Any:  # a new state leaf, placed like the old one
-        return fc.dtensor(x, dm, like.placements, like) if isinstance(like, DTensor) else x
-
     out = [fc.dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, storage)]
-    return out, tree.map(wrap, new_state, opt_state)
+    return out, new_state
 
 
 def global_norm(lp: LocalPlan, mesh: Mesh, grads: Sequence[DTensor]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import core
 from core import tree
-from shardings import accounting, buckets, gather_buckets, layouts, local_step, lower
+from shardings import accounting, buckets, flat_comm, gather_buckets, layouts, local_step, lower
 from shardings.context import use
 from shardings.distribute import shard
 from shardings.errors import sharding_error
@@ -150,26 +150,37 @@ class TrainStep:
         return loss_sum, tree.unflatten(plan.treedef, reduced), total_tokens
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-        """One optimizer update in the ``opt_state`` layout; returns params in storage layout."""
+        """One optimizer update in the ``opt_state`` layout; returns params in storage layout.
+
+        An elementwise optimizer (``adamw``, ``sgd``, ...) updates each rank's local blocks
+        (``local_step.update_blocks``: torch's fused kernel where it has one, in place when donated),
+        after a clip's global norm on the DTensors; any other runs its pure update on the DTensors.
+        """
         plan = self.plan(params)
-        if plan.local is not None and getattr(self._inner, "elementwise", False):
-            # Local blocks: a clip's global norm first (on the DTensors), then the elementwise rest.
+        if not getattr(self._inner, "elementwise", False):
             with torch.no_grad():
-                if self._clip is not None:
-                    grads, inner_state = self._clip.update(grads, opt_state[0])[0], opt_state[1]
-                else:
-                    inner_state = opt_state
-                new, inner_state = local_step.apply(plan.local, self.mesh, self._inner, plan.treedef,
-                                                    tree.leaves(params), inner_state, tree.leaves(grads),
-                                                    plan.placements["opt_state"], plan.placements["params"],
-                                                    donate=self.donate)
-            state = (opt_state[0], inner_state) if self._clip is not None else inner_state
-            return tree.unflatten(plan.treedef, new), state
+                p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
+                updates, opt_state = self.optimizer.update(grads, opt_state, p_opt)
+                new = tree.leaves(core.optim.apply_updates(p_opt, updates))
+                return tree.unflatten(plan.treedef, self._to("params", new)), opt_state
         with torch.no_grad():
-            p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
-            updates, opt_state = self.optimizer.update(grads, opt_state, p_opt)
-            new = tree.leaves(core.optim.apply_updates(p_opt, updates))
-            return tree.unflatten(plan.treedef, self._to("params", new)), opt_state
+            if self._clip is not None:
+                grads, inner_state = self._clip.update(grads, opt_state[0])[0], opt_state[1]
+            else:
+                inner_state = opt_state
+            opt_pl, leaves = plan.placements["opt_state"], tree.leaves(params)
+            if plan.local is not None:
+                new, inner_state = local_step.apply(plan.local, self.mesh, self._inner, plan.treedef, leaves,
+                                                    inner_state, tree.leaves(grads), opt_pl,
+                                                    plan.placements["params"], donate=self.donate)
+            else:
+                p_opt = self._to("opt_state", leaves)
+                blocks, inner_state = local_step.update_blocks(self._inner, plan.treedef, [p.to_local() for p in p_opt],
+                                                               inner_state, tree.leaves(grads), self.donate)
+                dm = self.mesh.device_mesh
+                new = self._to("params", [flat_comm.dtensor(x, dm, pl, p) for x, p, pl in zip(blocks, p_opt, opt_pl)])
+        state = (opt_state[0], inner_state) if self._clip is not None else inner_state
+        return tree.unflatten(plan.treedef, new), state
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """``(params, opt_state, metrics)`` after one step on ``batch``."""

@@ -58,6 +58,9 @@ def adamw_step(learning_rate: ScalarOrSchedule, b1: float, b2: float, eps: float
         lr = learning_rate(lr_state.count) if callable(learning_rate) else learning_rate
         keep = _resolve_mask(mask, params) if weight_decay else tree.map(lambda p: False, params)
         _, (gs, ps, ms, vs, decays), _ = columns(grads, params, adam.mu, adam.nu, keep)  # None grads: untouched
+        # the kernel walks each tensor's memory in order: a gradient laid out unlike its parameter (a
+        # transposed matmul's, say) is copied into the parameter's layout first
+        gs = [g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g) for g, p in zip(gs, ps)]
         groups: dict[tuple[Any, ...], list[int]] = {}  # one kernel call per (device, dtypes, decay)
         for i, (g, p) in enumerate(zip(gs, ps)):
             groups.setdefault((p.device, p.dtype, g.dtype, decays[i]), []).append(i)

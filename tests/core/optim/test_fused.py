@@ -45,6 +45,17 @@ def test_a_frozen_leaf_without_grad_is_left_alone():
     assert torch.equal(new["frozen"], torch.ones(2)) and not torch.equal(new["w"], torch.ones(2))
 
 
+def test_grads_laid_out_unlike_their_params_are_read_by_index_not_memory_order():
+    """A transposed matmul's gradient (strides (1, n)) updates a contiguous parameter like a contiguous one."""
+    opt = optim.adamw(1e-2)
+    params = {"w": torch.randn(3, 5)}
+    grads = {"w": torch.randn(5, 3).t()}  # same shape, transposed memory
+    updates, _ = opt.update(grads, opt.init(params), params)
+    want = optim.apply_updates(params, updates)
+    got, _ = opt.fused_step(grads, opt.init(params), tree.map(torch.clone, params))
+    assert_trees_close(got, want)
+
+
 def test_fusable_means_plain_or_simulated_local_tensors():
     assert fusable({"w": torch.ones(2)}, (torch.zeros(1), None))
     with simulate(2):
