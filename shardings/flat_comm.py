@@ -17,11 +17,25 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import SequenceKey
 
 __all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "launch_gather", "launch_reduce", "split_reduced",
-           "wait"]
+           "unit_of", "wait"]
 
 ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
+
+
+def unit_of(path: Sequence[Any]) -> tuple:
+    """The gather unit of a leaf at ``path``: the path through its first list index (one transformer
+    block, ``blocks/3``: FSDP's per-block wrapping), or ``()`` for the leaves outside any list (the root).
+
+    >>> unit_of(tree.leaves_with_path(params)[0][0])  # doctest: +SKIP
+    (MappingKey(key='blocks'), SequenceKey(idx=0))
+    """
+    for k, entry in enumerate(path):
+        if isinstance(entry, SequenceKey):
+            return tuple(path[: k + 1])
+    return ()
 
 
 def buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bucket_mb: float | None):

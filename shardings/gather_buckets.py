@@ -29,8 +29,10 @@ from shardings.gather_params import register, to_compute
 __all__ = ["gather"]
 
 
-def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: float | None) -> list[DTensor]:
-    """``[to_compute(s, p) for s, p in zip(shards, placements)]`` with one all-gather per bucket.
+def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: float | None,
+           units: Sequence[Any] | None = None) -> list[DTensor]:
+    """``[to_compute(s, p) for s, p in zip(shards, placements)]`` with one all-gather per bucket
+    (buckets never mix ``units``: see ``local_step.plan``).
 
     >>> compute = gather(leaves, plan.placements["compute"], bucket_mb=25)  # doctest: +SKIP
     """
@@ -42,7 +44,8 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
             out[i] = to_compute(s, pl)
         else:
             at[i] = where
-    for b in fc.buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb):
+    unit = (lambda i: units[i]) if units is not None else (lambda i: None)
+    for b in fc.buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype, unit(i)), bucket_mb):
         bucket = _Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
                          [shards[i].detach() for i in b])
         for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, *(shards[i] for i in b)))):

@@ -73,8 +73,12 @@ def _split_at(placements: Sequence[Any], shape: Sequence[int], sizes: Sequence[i
 
 
 def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: Layout, mesh: Mesh,
-         bucket_mb: float | None) -> LocalPlan | None:
+         bucket_mb: float | None, units: Sequence[Any] | None = None) -> LocalPlan | None:
     """The local path's plan for these parameters and layout, or ``None`` if the layout needs DTensors.
+
+    Stored-sharded leaves are gathered in buckets that never mix ``units`` (per leaf, e.g.
+    ``flat_comm.unit_of(path)``: one transformer block), so backward holds one unit's gathered
+    weights and gradients at a time, as FSDP does per wrapped block.
 
     >>> plan(step.plan(params).placements, tree.leaves(params), layouts.get("dp"), Mesh(dp=4), 25)  # doctest: +SKIP
     LocalPlan(data_dims=(0,), stored=(None, ...), ...)
@@ -102,7 +106,9 @@ def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: La
     def key(i: int) -> tuple:
         return target[i][0] if target[i] else None, params[i].dtype
 
-    return LocalPlan(data_dims, tuple(stored), tuple(target), fc.buckets(gathered, params, key, bucket_mb),
+    unit = (lambda i: units[i]) if units is not None else (lambda i: None)
+    return LocalPlan(data_dims, tuple(stored), tuple(target),
+                     fc.buckets(gathered, params, lambda i: (*key(i), unit(i)), bucket_mb),
                      fc.buckets(kept, params, key, bucket_mb))
 
 

@@ -68,6 +68,7 @@ class Plan(NamedTuple):
     placements: dict[str, list]
     treedef: Any
     local: local_step.LocalPlan | None  # set when the layout runs its loss on local tensors
+    units: list[tuple]  # per leaf, its ZeRO-3 gather unit (flat_comm.unit_of: one block)
 
 
 class TrainStep:
@@ -100,9 +101,10 @@ class TrainStep:
                 r: [lower.to_placements(s, self.mesh, len(p.shape)) for s, p in zip(flat[r], tree.leaves(params))]
                 for r in _ROLES
             }
+            units = [flat_comm.unit_of(path) for path, _ in tree.leaves_with_path(params)]
             local = self.local and local_step.plan(placements, tree.leaves(params), self.layout, self.mesh,
-                                                   self.bucket_mb)
-            self._plan = Plan(specs, placements, tree.structure(params), local or None)
+                                                   self.bucket_mb, units)
+            self._plan = Plan(specs, placements, tree.structure(params), local or None, units)
         return self._plan
 
     def _to(self, role: str, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -134,7 +136,7 @@ class TrainStep:
             for mb in self._microbatches(batch):
                 weight = self.token_count(mb) / total_tokens
                 with use(self.mesh, self.layout), regather_in_backward():
-                    compute = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb)
+                    compute = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb, plan.units)
                     compute = self._cast_compute(compute)
                     loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                     del compute
@@ -316,6 +318,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         token_count: ``batch -> tokens`` used to weight microbatches (labels ≠ -100 by default).
         bucket_mb: gradients all-reduced after backward are packed into flat buckets of this many MB,
             one collective per bucket (``shardings.buckets``); ``None`` or ``0``: one per gradient.
+            ZeRO-3 gathers (and reduce-scatters) in buckets of at most this size that never span two
+            blocks (leaves under different list indices, ``params["blocks"][i]``), like FSDP per block.
         local: run the loss on local tensors when the layout only splits the batch (``dp``, ZeRO,
             ``hsdp``): collectives bucketed and overlapped with backward (``shardings.local_step``).
             ``False`` keeps DTensors throughout (same results, slower).

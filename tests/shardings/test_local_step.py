@@ -100,13 +100,20 @@ def test_zero3_regathers_buckets_in_backward_prefetching_the_next(monkeypatch):
     with shardings.simulate(4):
         params, step = _step("zero3", Mesh(dp=4), bucket_mb=SMALL_BUCKETS)
         step.grads(params, BATCH)
-        n = len(step.plan(params).local.gathers)
+        lp = step.plan(params).local
+        n, paths = len(lp.gathers), [path for path, _ in tree.leaves_with_path(params)]
     forward, backward = gathered[:n], gathered[n:]
     assert forward == list(range(n))  # all launched before the loss runs
-    # Backward re-gathers each bucket autograd saved from, once, last-used first (the next one is
-    # launched while the current bucket's backward runs); buckets whose weights nothing saved
-    # (the embedding lookup's) are not re-gathered.
-    assert len(backward) > 1 and backward == sorted(set(backward), reverse=True)
+    # Buckets never span two blocks (FSDP's units). Backward re-gathers each bucket autograd saved
+    # from, once, last-used first (the next one is launched while the current bucket's backward
+    # runs): the final norm's bucket (the root unit, used last), then the blocks from the last;
+    # buckets whose weights nothing saved (the embedding lookup's) are not re-gathered.
+    units = {flat_comm.unit_of(path) for path, _ in tree.leaves_with_path(params)}
+    per_bucket = [{flat_comm.unit_of(paths[i]) for i in b} for b in lp.gathers]
+    assert all(len(u) == 1 for u in per_bucket) and {u for (u,) in per_bucket} == units
+    assert len(backward) == len(set(backward)) > 1 and per_bucket[backward[0]] == {()}
+    in_blocks = [k for k in backward if per_bucket[k] != {()}]
+    assert in_blocks == sorted(in_blocks, reverse=True)
 
 
 def test_unused_parameters_get_zero_gradients():

@@ -168,11 +168,12 @@ def test_zero3_gathers_forward_regathers_backward_and_reduce_scatters():
     n, params = 4, gpt.init(core.random.key(0), CFG)
     comm, _ = _one_step_comm("zero3", Mesh(dp=n))
     four_p = sum(4 * x.numel() for x in tree.leaves(params))
-    # Local path, one bucket: all-gather it for forward, again in backward (nothing kept), then one
-    # reduce-scatter: exactly DESIGN §6's 1.5× dp.
+    # Local path, one bucket per block plus one for the rest (FSDP's units): each all-gathered for
+    # forward, again in backward (nothing kept), then reduce-scattered: exactly DESIGN §6's 1.5× dp.
+    units = CFG.layers + 1
     assert comm == {
-        ("all_gather", "dp"): (2, _ring("all_gather", n, 2 * four_p)),
-        ("reduce_scatter", "dp"): (1, _ring("reduce_scatter", n, four_p)),
+        ("all_gather", "dp"): (2 * units, _ring("all_gather", n, 2 * four_p)),
+        ("reduce_scatter", "dp"): (units, _ring("reduce_scatter", n, four_p)),
         ("all_reduce", "dp"): _SCALARS,
     }
     total = sum(b for _, b in comm.values()) - _SCALARS[1]
@@ -184,10 +185,11 @@ def test_zero3_on_the_dtensor_path_gathers_and_reduces_per_bucket(bucket_mb):
     n, params = 4, gpt.init(core.random.key(0), CFG)
     comm, _ = _one_step_comm("zero3", Mesh(dp=n), local=False, bucket_mb=bucket_mb)
     four_p, leaves = sum(4 * x.numel() for x in tree.leaves(params)), len(tree.leaves(params))
-    if bucket_mb:  # one bucket (the whole tiny model): gathered forward, again in backward, reduce-scattered
+    if bucket_mb:  # one bucket per block and one for the rest: gathered forward, again in backward, reduce-scattered
+        units = CFG.layers + 1
         assert comm == {
-            ("all_gather", "dp"): (2, _ring("all_gather", n, 2 * four_p)),
-            ("reduce_scatter", "dp"): (1, _ring("reduce_scatter", n, four_p)),
+            ("all_gather", "dp"): (2 * units, _ring("all_gather", n, 2 * four_p)),
+            ("reduce_scatter", "dp"): (units, _ring("reduce_scatter", n, four_p)),
         }
         assert sum(b for _, b in comm.values()) == 1.5 * _ring("all_reduce", n, four_p)  # DESIGN §6: 1.5× dp
         return
