@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from shardings import attention as layout_attention
 from shardings import constrain, einsum
+from shardings.logsumexp import logsumexp
 
 __all__ = [
     "arange_like",
@@ -134,7 +135,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int)
     logits = logits.float()
     one_hot = labels[..., None] == arange_like(logits, logits.shape[-1])  # (batch, seq, vocab); none if ignored
     target = (logits * one_hot).sum(-1)  # (batch, seq)
-    nll = torch.logsumexp(logits, dim=-1) - target
+    nll = logsumexp(logits, dim=-1) - target  # on vocab-sharded DTensors: block by block, no gather
     keep = (labels != ignore_index).float()
     return (nll * keep).sum() / keep.sum().clamp(min=1.0)
 

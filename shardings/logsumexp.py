@@ -1,0 +1,42 @@
+"""``logsumexp`` over a dim a DTensor shards, without gathering it: the vocab-parallel loss's core.
+
+DTensor's own ``torch.logsumexp`` over a sharded dim all-gathers the whole tensor first: for
+vocab-sharded logits, every rank then holds (and moves) the full ``(batch, seq, vocab)`` logits.
+Split as Megatron's and ``loss_parallel``'s cross-entropy do, each rank works on its own block and
+only ``(batch, seq)`` values are reduced: the max (one all-reduce), then the sum of exponentials
+(another); backward needs one more. Plain tensors take ``torch.logsumexp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["logsumexp"]
+
+
+def logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.logsumexp(x, dim)``; on a DTensor sharded along ``dim``, computed block by block.
+
+    >>> round(logsumexp(torch.zeros(4), 0).item(), 4)  # log 4
+    1.3863
+    """
+    dim = dim % x.ndim
+    if not isinstance(x, DTensor) or not any(p.is_shard(dim) for p in x.placements) or _an_empty_block(x, dim):
+        return torch.logsumexp(x, dim)  # (an empty block has no max: DTensor's gathering op then)
+    shift = _reduced(x.detach().amax(dim, keepdim=True))  # Partial(max) over the shards: reduced once, here
+    return _reduced((x - shift).exp().sum(dim)).log() + shift.squeeze(dim)
+
+
+def _an_empty_block(x: DTensor, dim: int) -> bool:
+    blocks = math.prod(x.device_mesh.size(m) for m, p in enumerate(x.placements) if p.is_shard(dim))
+    per_block = -(-x.shape[dim] // blocks)  # torch.chunk's sizes: the last blocks may be short or empty
+    return -(-x.shape[dim] // per_block) < blocks
+
+
+def _reduced(x: DTensor) -> DTensor:
+    # Partial -> Replicate (an all-reduce of (batch, seq) values); left to itself DTensor may
+    # reduce-scatter instead, and backward then moves the (batch, seq, vocab) gradient to match.
+    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])

@@ -1,0 +1,55 @@
+"""shardings.logsumexp: block by block over a sharded dim (no gather of the logits), equal to torch's."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import shardings
+from shardings import Mesh, P, per_rank, shard
+from shardings.logsumexp import logsumexp
+
+TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; the shifted sum of exponentials adds in another order
+
+
+def _collectives(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+@pytest.mark.parametrize("vocab", [64, 31])  # 31: uneven blocks (16, 15)
+def test_vocab_sharded_values_and_grads_equal_torch_with_two_small_all_reduces(vocab):
+    x, cot = torch.randn(4, 8, vocab), torch.randn(4, 8)
+    ref = x.clone().requires_grad_()
+    want = torch.logsumexp(ref, -1)
+    (want_grad,) = torch.autograd.grad(want, ref, cot)
+    with shardings.simulate(4):
+        mesh = Mesh(dp=2, tp=2)
+        assert mesh.device_mesh is not None
+        logits = shard(x, P("dp", None, "tp"), mesh).requires_grad_()
+        with CommDebugMode() as fwd:
+            got = logsumexp(logits, -1)
+        with CommDebugMode() as bwd:
+            (grad,) = torch.autograd.grad(got, logits, shard(cot, P("dp", None), mesh))
+        values, grads = per_rank(got.full_tensor()), per_rank(grad.full_tensor())
+    assert _collectives(fwd) == {"all_reduce": 2} and _collectives(bwd) == {}  # the max, the sum: (batch, seq)
+    assert got.placements == (Shard(0), Replicate()) and grad.placements == logits.placements
+    for v, g in zip(values, grads):
+        torch.testing.assert_close(v, want, **TOL)
+        torch.testing.assert_close(g, want_grad, **TOL)
+
+
+def test_plain_tensors_unsharded_dims_and_empty_blocks_take_torchs_op():
+    x = torch.randn(3, 7)
+    assert torch.equal(logsumexp(x, 1), torch.logsumexp(x, 1))
+    with shardings.simulate(4):
+        mesh = Mesh(tp=4)
+        assert mesh.device_mesh is not None
+        rows = shard(x, P(None, "tp"), mesh)  # 7 over 4: blocks of 2, 2, 2, 1
+        empty = shard(torch.randn(3, 3), P(None, "tp"), mesh)  # 3 over 4: the last block is empty
+        with CommDebugMode() as mode:
+            by_blocks = logsumexp(rows, 1)
+        assert _collectives(mode) == {"all_reduce": 2}
+        gathered = logsumexp(empty, 1)  # no max of an empty block: torch's (gathering) op
+        for v in per_rank(by_blocks.full_tensor()):
+            torch.testing.assert_close(v, torch.logsumexp(x, 1), **TOL)
+        assert gathered.shape == (3,)
