@@ -10,7 +10,7 @@ resolves them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,7 +20,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import SequenceKey
 
 __all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "launch_gather", "launch_reduce", "split_reduced",
-           "unit_of", "wait"]
+           "stays_gathered", "unit_of", "wait"]
 
 ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
 
@@ -36,6 +36,14 @@ def unit_of(path: Sequence[Any]) -> tuple:
         if isinstance(entry, SequenceKey):
             return tuple(path[: k + 1])
     return ()
+
+
+def stays_gathered(unit: tuple, units: Iterable[tuple]) -> bool:
+    """Whether ``unit``'s gathered weights are kept from forward to backward instead of gathered again:
+    the root unit of a model that has blocks, as FSDP2 keeps its root module's (the embedding, final
+    norm and unembedding: used first and last, so a backward re-gather would free nothing for long).
+    """
+    return unit == () and any(u != () for u in units)
 
 
 def buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bucket_mb: float | None):

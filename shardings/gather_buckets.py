@@ -48,9 +48,11 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
     for b in fc.buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype, unit(i)), bucket_mb):
         bucket = _Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
                          [shards[i].detach() for i in b])
+        stays = fc.stays_gathered(unit(b[0]), {unit(i) for i in at})  # else autograd saves a re-gather
         for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, *(shards[i] for i in b)))):
             out[i] = full
-            register(full, functools.partial(bucket.regathered, pos))
+            if not stays:
+                register(full, functools.partial(bucket.regathered, pos))
     return out
 
 

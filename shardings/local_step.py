@@ -7,8 +7,9 @@ the train step runs ``loss_fn`` on plain local tensors — no sharding propagati
 dispatch — and performs the layout's collectives itself, bucketed and asynchronous:
 
 - **stored sharded** (ZeRO-3, HSDP): the shards are all-gathered in buckets before the loss (all
-  buckets launched at once, each awaited when assembled). Gathered parameters saved for backward
-  are re-gathered there, one bucket at a time, prefetching the next bucket backward will need.
+  buckets launched at once, each awaited when assembled; a bucket never spans two blocks).
+  Gathered parameters saved for backward are re-gathered there, one bucket at a time, prefetching
+  the next bucket backward will need; the root unit's (outside the blocks) stay gathered, as FSDP2's.
   A bucket's backward reduce-scatters its gradients in one collective (then all-reduces over any
   other data axis, HSDP), launched asynchronously and awaited after backward.
 - **stored replicated** (DP, ZeRO-1/2): gradients are packed into buckets in backward order; a
@@ -52,6 +53,7 @@ class LocalPlan(NamedTuple):
         target: per leaf, where its reduced gradient goes (the optimizer-state layout).
         gathers: buckets of stored-sharded leaves, in forward order (gathered and reduced together).
         reduces: buckets of stored-replicated leaves, in backward (reverse) order.
+        kept: the ``gathers`` buckets autograd keeps gathered for backward (``flat_comm.stays_gathered``).
     """
 
     data_dims: tuple[int, ...]
@@ -59,6 +61,7 @@ class LocalPlan(NamedTuple):
     target: tuple[ShardAt, ...]
     gathers: tuple[tuple[int, ...], ...]
     reduces: tuple[tuple[int, ...], ...]
+    kept: tuple[int, ...] = ()
 
 
 def _split_at(placements: Sequence[Any], shape: Sequence[int], sizes: Sequence[int], data_dims) -> ShardAt | bool:
@@ -107,9 +110,9 @@ def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: La
         return target[i][0] if target[i] else None, params[i].dtype
 
     unit = (lambda i: units[i]) if units is not None else (lambda i: None)
-    return LocalPlan(data_dims, tuple(stored), tuple(target),
-                     fc.buckets(gathered, params, lambda i: (*key(i), unit(i)), bucket_mb),
-                     fc.buckets(kept, params, key, bucket_mb))
+    gathers = fc.buckets(gathered, params, lambda i: (*key(i), unit(i)), bucket_mb)
+    stays = tuple(k for k, b in enumerate(gathers) if fc.stays_gathered(unit(b[0]), {unit(i) for i in gathered}))
+    return LocalPlan(data_dims, tuple(stored), tuple(target), gathers, fc.buckets(kept, params, key, bucket_mb), stays)
 
 
 # -- one step ------------------------------------------------------------------------------------------
@@ -135,7 +138,7 @@ class _Gathered:
     def pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
         hit = self.full.get(id(base))
-        if hit is None or hit[0]() is not base:
+        if hit is None or hit[0]() is not base or hit[1] in self.lp.kept:
             return t
         if hit[1] not in self.backward_order:
             self.backward_order.insert(0, hit[1])  # backward visits buckets in reverse first-save order

@@ -319,7 +319,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         bucket_mb: gradients all-reduced after backward are packed into flat buckets of this many MB,
             one collective per bucket (``shardings.buckets``); ``None`` or ``0``: one per gradient.
             ZeRO-3 gathers (and reduce-scatters) in buckets of at most this size that never span two
-            blocks (leaves under different list indices, ``params["blocks"][i]``), like FSDP per block.
+            blocks (leaves under different list indices, ``params["blocks"][i]``), like FSDP per block;
+            backward re-gathers a block's, and keeps the rest's (embedding, norm) from forward, like FSDP2's root.
         local: run the loss on local tensors when the layout only splits the batch (``dp``, ZeRO,
             ``hsdp``): collectives bucketed and overlapped with backward (``shardings.local_step``).
             ``False`` keeps DTensors throughout (same results, slower).

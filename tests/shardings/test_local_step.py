@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+from torch.utils._pytree import MappingKey, SequenceKey
 
 import core
 import models.gpt as gpt
@@ -104,16 +105,16 @@ def test_zero3_regathers_buckets_in_backward_prefetching_the_next(monkeypatch):
         n, paths = len(lp.gathers), [path for path, _ in tree.leaves_with_path(params)]
     forward, backward = gathered[:n], gathered[n:]
     assert forward == list(range(n))  # all launched before the loss runs
-    # Buckets never span two blocks (FSDP's units). Backward re-gathers each bucket autograd saved
-    # from, once, last-used first (the next one is launched while the current bucket's backward
-    # runs): the final norm's bucket (the root unit, used last), then the blocks from the last;
-    # buckets whose weights nothing saved (the embedding lookup's) are not re-gathered.
+    # Buckets never span two blocks (FSDP's units). Backward re-gathers each block bucket autograd
+    # saved from, once, last block first (the next one is launched while the current bucket's
+    # backward runs). The root unit's buckets (embedding, final norm, unembedding) stay gathered
+    # from forward, as FSDP2's root module's do: never re-gathered.
     units = {flat_comm.unit_of(path) for path, _ in tree.leaves_with_path(params)}
     per_bucket = [{flat_comm.unit_of(paths[i]) for i in b} for b in lp.gathers]
     assert all(len(u) == 1 for u in per_bucket) and {u for (u,) in per_bucket} == units
-    assert len(backward) == len(set(backward)) > 1 and per_bucket[backward[0]] == {()}
-    in_blocks = [k for k in backward if per_bucket[k] != {()}]
-    assert in_blocks == sorted(in_blocks, reverse=True)
+    assert set(lp.kept) == {k for k, u in enumerate(per_bucket) if u == {()}}
+    assert len(backward) == len(set(backward)) > 1 and not set(backward) & set(lp.kept)
+    assert backward == sorted(backward, reverse=True)
 
 
 def test_unused_parameters_get_zero_gradients():
@@ -151,3 +152,9 @@ def test_step_metrics_agree_with_the_dtensor_path(layout, mesh):
     for key in ("loss", "grad_norm"):
         assert got[True][key] == pytest.approx(got[False][key], rel=1e-5), key
     assert got[True]["tokens"] == got[False]["tokens"] and got[True]["memory"] == got[False]["memory"]
+
+
+def test_only_a_root_beside_blocks_stays_gathered():
+    blocks = [(), (MappingKey("blocks"), SequenceKey(0))]
+    assert flat_comm.stays_gathered((), blocks) and not flat_comm.stays_gathered(blocks[1], blocks)
+    assert not flat_comm.stays_gathered((), [()])  # no blocks (an MLP's dict of layers): all re-gathered

@@ -169,15 +169,16 @@ def test_zero3_gathers_forward_regathers_backward_and_reduce_scatters():
     comm, _ = _one_step_comm("zero3", Mesh(dp=n))
     four_p = sum(4 * x.numel() for x in tree.leaves(params))
     # Local path, one bucket per block plus one for the rest (FSDP's units): each all-gathered for
-    # forward, again in backward (nothing kept), then reduce-scattered: exactly DESIGN §6's 1.5× dp.
-    units = CFG.layers + 1
+    # forward, the blocks' again in backward (the rest stays gathered, as FSDP2's root module does),
+    # then reduce-scattered: DESIGN §6's 1.5× dp, less the root's backward gather.
+    units, root = CFG.layers + 1, 4 * sum(params[k].numel() for k in ("embed", "final_norm", "unembed"))
     assert comm == {
-        ("all_gather", "dp"): (2 * units, _ring("all_gather", n, 2 * four_p)),
+        ("all_gather", "dp"): (2 * units - 1, _ring("all_gather", n, 2 * four_p - root)),
         ("reduce_scatter", "dp"): (units, _ring("reduce_scatter", n, four_p)),
         ("all_reduce", "dp"): _SCALARS,
     }
     total = sum(b for _, b in comm.values()) - _SCALARS[1]
-    assert total == 1.5 * _ring("all_reduce", n, four_p)
+    assert total == 1.5 * _ring("all_reduce", n, four_p) - _ring("all_gather", n, root)
 
 
 @pytest.mark.parametrize("bucket_mb", [25, None])
@@ -185,13 +186,12 @@ def test_zero3_on_the_dtensor_path_gathers_and_reduces_per_bucket(bucket_mb):
     n, params = 4, gpt.init(core.random.key(0), CFG)
     comm, _ = _one_step_comm("zero3", Mesh(dp=n), local=False, bucket_mb=bucket_mb)
     four_p, leaves = sum(4 * x.numel() for x in tree.leaves(params)), len(tree.leaves(params))
-    if bucket_mb:  # one bucket per block and one for the rest: gathered forward, again in backward, reduce-scattered
-        units = CFG.layers + 1
+    if bucket_mb:  # a bucket per block and one for the rest: gathered, blocks again in backward, reduce-scattered
+        units, root = CFG.layers + 1, 4 * sum(params[k].numel() for k in ("embed", "final_norm", "unembed"))
         assert comm == {
-            ("all_gather", "dp"): (2 * units, _ring("all_gather", n, 2 * four_p)),
+            ("all_gather", "dp"): (2 * units - 1, _ring("all_gather", n, 2 * four_p - root)),
             ("reduce_scatter", "dp"): (units, _ring("reduce_scatter", n, four_p)),
         }
-        assert sum(b for _, b in comm.values()) == 1.5 * _ring("all_reduce", n, four_p)  # DESIGN §6: 1.5× dp
         return
     # One collective per weight; backward re-gathers only the weights autograd saved (the embedding
     # lookup's backward needs none).
