@@ -10,7 +10,7 @@ resolves them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,9 +20,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import SequenceKey
 
 __all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "launch_gather", "launch_reduce", "split_reduced",
-           "stays_gathered", "unit_of", "wait"]
+           "unit_buckets", "unit_of", "wait"]
 
 ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
+Buckets = tuple[tuple[int, ...], ...]  # leaf indices, bucket by bucket
 
 
 def unit_of(path: Sequence[Any]) -> tuple:
@@ -38,15 +39,20 @@ def unit_of(path: Sequence[Any]) -> tuple:
     return ()
 
 
-def stays_gathered(unit: tuple, units: Iterable[tuple]) -> bool:
-    """Whether ``unit``'s gathered weights are kept from forward to backward instead of gathered again:
-    the root unit of a model that has blocks, as FSDP2 keeps its root module's (the embedding, final
+def unit_buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable[[int], tuple],
+                 bucket_mb: float | None, units: Sequence[tuple] | None) -> tuple[Buckets, tuple[int, ...]]:
+    """ZeRO-3's gather buckets: :func:`buckets` that never mix two ``units`` (per leaf, :func:`unit_of`),
+    and which of them stay gathered from forward to backward instead of being gathered again: the
+    root unit's, in a model that has blocks, as FSDP2 keeps its root module's (the embedding, final
     norm and unembedding: used first and last, so a backward re-gather would free nothing for long).
     """
-    return unit == () and any(u != () for u in units)
+    unit = (lambda i: units[i]) if units is not None else (lambda i: None)
+    out = buckets(order, params, lambda i: (*key(i), unit(i)), bucket_mb)
+    has_blocks = any(unit(i) not in ((), None) for i in order)
+    return out, tuple(k for k, b in enumerate(out) if has_blocks and unit(b[0]) == ())
 
 
-def buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bucket_mb: float | None):
+def buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, bucket_mb: float | None) -> Buckets:
     """``order``'s leaves in runs of at most ``bucket_mb`` MB per ``key`` (a leaf larger than the cap alone)."""
     cap = (bucket_mb or 0) * 1e6
     out: list[list[int]] = []

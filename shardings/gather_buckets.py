@@ -44,14 +44,13 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
             out[i] = to_compute(s, pl)
         else:
             at[i] = where
-    unit = (lambda i: units[i]) if units is not None else (lambda i: None)
-    for b in fc.buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype, unit(i)), bucket_mb):
+    bucketed, kept = fc.unit_buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb, units)
+    for k, b in enumerate(bucketed):
         bucket = _Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
                          [shards[i].detach() for i in b])
-        stays = fc.stays_gathered(unit(b[0]), {unit(i) for i in at})  # else autograd saves a re-gather
         for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, *(shards[i] for i in b)))):
             out[i] = full
-            if not stays:
+            if k not in kept:  # else autograd keeps it: no backward re-gather
                 register(full, functools.partial(bucket.regathered, pos))
     return out
 

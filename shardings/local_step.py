@@ -53,7 +53,7 @@ class LocalPlan(NamedTuple):
         target: per leaf, where its reduced gradient goes (the optimizer-state layout).
         gathers: buckets of stored-sharded leaves, in forward order (gathered and reduced together).
         reduces: buckets of stored-replicated leaves, in backward (reverse) order.
-        kept: the ``gathers`` buckets autograd keeps gathered for backward (``flat_comm.stays_gathered``).
+        kept: the ``gathers`` buckets autograd keeps gathered for backward (``flat_comm.unit_buckets``).
     """
 
     data_dims: tuple[int, ...]
@@ -109,9 +109,7 @@ def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: La
     def key(i: int) -> tuple:
         return target[i][0] if target[i] else None, params[i].dtype
 
-    unit = (lambda i: units[i]) if units is not None else (lambda i: None)
-    gathers = fc.buckets(gathered, params, lambda i: (*key(i), unit(i)), bucket_mb)
-    stays = tuple(k for k, b in enumerate(gathers) if fc.stays_gathered(unit(b[0]), {unit(i) for i in gathered}))
+    gathers, stays = fc.unit_buckets(gathered, params, key, bucket_mb, units)
     return LocalPlan(data_dims, tuple(stored), tuple(target), gathers, fc.buckets(kept, params, key, bucket_mb), stays)
 
 

@@ -4,7 +4,7 @@ DTensor's own ``torch.logsumexp`` over a sharded dim all-gathers the whole tenso
 vocab-sharded logits, every rank then holds (and moves) the full ``(batch, seq, vocab)`` logits.
 Split as Megatron's and ``loss_parallel``'s cross-entropy do, each rank works on its own block and
 only ``(batch, seq)`` values are reduced: the max (one all-reduce), then the sum of exponentials
-(another); backward needs one more. Plain tensors take ``torch.logsumexp``.
+(another); backward needs none. Plain tensors take ``torch.logsumexp``.
 """
 
 from __future__ import annotations

@@ -155,6 +155,9 @@ def test_step_metrics_agree_with_the_dtensor_path(layout, mesh):
 
 
 def test_only_a_root_beside_blocks_stays_gathered():
-    blocks = [(), (MappingKey("blocks"), SequenceKey(0))]
-    assert flat_comm.stays_gathered((), blocks) and not flat_comm.stays_gathered(blocks[1], blocks)
-    assert not flat_comm.stays_gathered((), [()])  # no blocks (an MLP's dict of layers): all re-gathered
+    block = (MappingKey("blocks"), SequenceKey(0))
+    leaves = [torch.ones(2), torch.ones(2), torch.ones(2)]
+    key = lambda i: ()
+    assert flat_comm.unit_buckets([0, 1, 2], leaves, key, 25, [(), block, ()]) == (((0, 2), (1,)), (0,))
+    # no blocks (an MLP's dict of layers): one unit, all re-gathered
+    assert flat_comm.unit_buckets([0, 1], leaves, key, 25, [(), ()]) == (((0, 1),), ())
