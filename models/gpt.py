@@ -26,11 +26,10 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import core
 from models.hf_llama import config_from_hf, from_hf_llama, hf_config, to_hf_llama
-from models.layers import attention, cross_entropy, einsum, next_token_batch, rms_norm, rope, swiglu
+from models.layers import attention, cross_entropy, einsum, embedding, next_token_batch, rms_norm, rope, swiglu
 from shardings import constrain
 
 __all__ = [
@@ -38,10 +37,12 @@ __all__ = [
     "apply",
     "axes",
     "config_from_hf",
+    "embed",
     "example_batch",
     "from_hf_llama",
     "hf_config",
     "init",
+    "logits",
     "loss",
     "to_hf_llama",
 ]
@@ -49,6 +50,7 @@ __all__ = [
 Params = dict[str, Any]
 RESIDUAL = ("batch", "seq", "embed")
 BLOCK_INPUT = ("batch", "block_seq", "embed")  # a normalized input to tensor-parallel matmuls (SP gathers it)
+BATCH_INPUT = ("batch", "block_seq")  # tokens and labels: seq as the vocab-parallel embedding and loss see it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,16 +212,30 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     >>> apply(init(core.random.key(0), cfg), torch.zeros(2, 5, dtype=torch.int64), cfg).shape
     torch.Size([2, 5, 256])
     """
-    tokens = constrain(tokens, ("batch", "seq"))  # a plain batch becomes a DTensor under a mesh
-    x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
+    x = embed(params, tokens)
     block = functools.partial(_block, cfg=cfg)
     if cfg.remat:
         block = core.remat(block)
     for p in params["blocks"]:
         x = block(p, x)
+    return logits(params, x, cfg)
+
+
+def embed(params: Params, tokens: torch.Tensor) -> torch.Tensor:
+    """The residual stream ``(batch, seq, dim)`` of int64 ``tokens: (batch, seq)``.
+
+    The tokens enter like a block input (sp gathers their seq): with vocab-sharded rows each rank
+    looks up its own and the partial sums are reduce-scattered into the residual stream, as
+    torchtitan's ``RowwiseParallel`` embedding. A plain batch becomes a DTensor under a mesh.
+    """
+    return constrain(embedding(constrain(tokens, BATCH_INPUT), params["embed"]), RESIDUAL)
+
+
+def logits(params: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Next-token logits ``(batch, seq, vocab)`` of the residual stream: final norm, then the unembedding."""
     x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), BLOCK_INPUT)
     unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
-    return constrain(einsum(x, unembed, "b s e, e v -> b s v"), ("batch", "seq", "vocab"))
+    return constrain(einsum(x, unembed, "b s e, e v -> b s v"), ("batch", "block_seq", "vocab"))
 
 
 def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
@@ -229,7 +245,7 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
     """
-    labels = constrain(batch["labels"], ("batch", "seq"))
+    labels = constrain(batch["labels"], BATCH_INPUT)  # laid out like the logits' (batch, seq)
     return cross_entropy(apply(params, batch["tokens"], cfg), labels, cfg.ignore_index)
 
 

@@ -21,13 +21,14 @@ import torch.nn.functional as F
 
 from shardings import attention as layout_attention
 from shardings import constrain, einsum
-from shardings.logsumexp import logsumexp
+from shardings.vocab_parallel import embedding, logsumexp
 
 __all__ = [
     "arange_like",
     "attention",
     "cross_entropy",
     "einsum",
+    "embedding",
     "next_token_batch",
     "rms_norm",
     "rope",
@@ -134,7 +135,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int)
     """
     logits = logits.float()
     one_hot = labels[..., None] == arange_like(logits, logits.shape[-1])  # (batch, seq, vocab); none if ignored
-    target = (logits * one_hot).sum(-1)  # (batch, seq)
+    # (batch, seq); vocab-sharded, each rank's sum is partial: reduced here (left to itself, DTensor
+    # may reduce-scatter it over seq instead, and backward then moves the whole logits' gradient)
+    target = constrain((logits * one_hot).sum(-1), ("batch", "block_seq"))
     nll = logsumexp(logits, dim=-1) - target  # on vocab-sharded DTensors: block by block, no gather
     keep = (labels != ignore_index).float()
     return (nll * keep).sum() / keep.sum().clamp(min=1.0)

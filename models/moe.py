@@ -276,8 +276,7 @@ def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[t
     >>> logits.shape
     torch.Size([2, 4, 256])
     """
-    tokens = constrain(tokens, ("batch", "seq"))
-    x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
+    x = gpt.embed(params, tokens)  # (batch, seq, dim)
     dense, sparse = functools.partial(gpt._block, cfg=cfg), functools.partial(_block, cfg=cfg)
     if cfg.remat:
         dense, sparse = core.remat(dense), core.remat(sparse)
@@ -288,9 +287,7 @@ def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[t
             total = {k: total[k] + v for k, v in aux.items()} if total else aux
         else:
             x = dense(p, x)
-    x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), gpt.BLOCK_INPUT)
-    unembed = params["embed"].T if cfg.tie_embeddings else params["unembed"]  # (dim, vocab)
-    return constrain(einsum(x, unembed, "b s e, e v -> b s v"), ("batch", "seq", "vocab")), total
+    return gpt.logits(params, x, cfg), total
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -310,7 +307,7 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
     """
-    labels = constrain(batch["labels"], ("batch", "seq"))
+    labels = constrain(batch["labels"], gpt.BATCH_INPUT)
     logits, aux = apply_with_aux(params, batch["tokens"], cfg)
     ce = cross_entropy(logits, labels, cfg.ignore_index)
     if not aux:

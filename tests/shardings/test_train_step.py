@@ -209,10 +209,10 @@ def test_tp_two_all_reduces_per_block_forward_and_two_backward(layers):
     bsh = 4 * cfg.seq_len * cfg.dim * 4  # one (batch, seq, embed) fp32 activation
     bs = 4 * cfg.seq_len * 4  # one (batch, seq) fp32 value per token
     # 4 per block, plus the vocab-parallel embedding (forward) and the unembedding's input (backward);
-    # the vocab-parallel loss reduces per-token values only (its logsumexp's max and sum): the logits
-    # stay sharded.
-    assert comm == {("all_reduce", "tp"): (4 * layers + 4, (4 * layers + 2) * _ring("all_reduce", 2, bsh)
-                                           + 2 * _ring("all_reduce", 2, bs))}
+    # the vocab-parallel loss reduces per-token values only (the target logit, and its logsumexp's
+    # max and sum): the logits stay sharded.
+    assert comm == {("all_reduce", "tp"): (4 * layers + 5, (4 * layers + 2) * _ring("all_reduce", 2, bsh)
+                                           + 3 * _ring("all_reduce", 2, bs))}
 
 
 def test_sp_turns_tp_all_reduces_into_all_gather_and_reduce_scatter():
@@ -221,15 +221,15 @@ def test_sp_turns_tp_all_reduces_into_all_gather_and_reduce_scatter():
     ag_count, ag_bytes = comm[("all_gather", "tp")]
     rs_count, rs_bytes = comm[("reduce_scatter", "tp")]
     # Per block: gather before each TP matmul pair, scatter after, mirrored in backward; plus the
-    # final norm's gather (and its backward scatter). The extra scatter is the vocab-sharded
-    # embedding's gradient; the norm weights' gradients are all-reduced (they see seq shards), bucketed.
-    bs = 4 * CFG.seq_len * 4  # (batch, seq) fp32: the loss's per-token values (token mask, logsumexp)
-    assert (ag_count, ag_bytes) == (6, 5 * _ring("all_gather", 2, bsh) + _ring("all_gather", 2, bs))
-    assert (rs_count, rs_bytes) == (6, 5 * _ring("reduce_scatter", 2, bsh) + _ring("reduce_scatter", 2,
-                                                                                   4 * CFG.vocab * CFG.dim))
-    # one bucket of 3 norms; the vocab-parallel logsumexp's max and sum
-    assert comm[("all_reduce", "tp")] == (3, 3 * _ring("all_reduce", 2, 4 * CFG.dim) + 2 * _ring("all_reduce", 2, bs))
-    assert set(comm) <= {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp"), ("all_to_all", "tp")}
+    # vocab-parallel embedding's scatter (its lookup is a partial sum over vocab shards) and the final
+    # norm's gather, each mirrored in backward. The norm weights' gradients are all-reduced (they see
+    # seq shards), bucketed; nothing else moves: no weight, no logits.
+    bs = 4 * CFG.seq_len * 4  # (batch, seq) fp32: the loss's per-token values (target logit, logsumexp)
+    assert (ag_count, ag_bytes) == (6, 6 * _ring("all_gather", 2, bsh))
+    assert (rs_count, rs_bytes) == (6, 6 * _ring("reduce_scatter", 2, bsh))
+    # one bucket of 3 norms; the loss's target logit, and its logsumexp's max and sum
+    assert comm[("all_reduce", "tp")] == (4, 3 * _ring("all_reduce", 2, 4 * CFG.dim) + 3 * _ring("all_reduce", 2, bs))
+    assert set(comm) == {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp")}
 
 
 # -- memory: persistent bytes per rank (DESIGN §6) -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""shardings.logsumexp: block by block over a sharded dim (no gather of the logits), equal to torch's."""
+"""shardings.vocab_parallel: logsumexp block by block over a sharded dim (no gather of the logits), equal to torch's."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import shardings
 from shardings import Mesh, P, per_rank, shard
-from shardings.logsumexp import logsumexp
+from shardings.vocab_parallel import embedding, logsumexp
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; the shifted sum of exponentials adds in another order
 
@@ -53,3 +53,28 @@ def test_plain_tensors_unsharded_dims_and_empty_blocks_take_torchs_op():
         for v in per_rank(by_blocks.full_tensor()):
             torch.testing.assert_close(v, torch.logsumexp(x, 1), **TOL)
         assert gathered.shape == (3,)
+
+
+@pytest.mark.parametrize("vocab", [12, 3])  # 3 over tp=4: one block empty, so the rows are gathered first
+def test_vocab_sharded_embedding_is_a_partial_lookup_equal_to_torchs(vocab):
+    table, tokens = torch.randn(vocab, 5), torch.randint(0, vocab, (4, 6))
+    cot = torch.randn(4, 6, 5)
+    ref = table.clone().requires_grad_()
+    want = torch.nn.functional.embedding(tokens, ref)
+    (want_grad,) = torch.autograd.grad(want, ref, cot)
+    assert torch.equal(embedding(tokens, table), torch.nn.functional.embedding(tokens, table))
+    with shardings.simulate(8):
+        mesh = Mesh(dp=2, tp=4)
+        assert mesh.device_mesh is not None
+        weight = shard(table, P("tp"), mesh).requires_grad_()
+        with CommDebugMode() as fwd:
+            got = embedding(shard(tokens, P("dp"), mesh), weight)
+        (grad,) = torch.autograd.grad(got, weight, shard(cot, P("dp"), mesh))
+        values, grads = per_rank(got.full_tensor()), per_rank(grad.full_tensor())
+    if vocab == 12:  # each rank looks up its rows: the result is a pending sum over tp, nothing moved
+        assert _collectives(fwd) == {} and got.placements[1].is_partial()
+    else:
+        assert _collectives(fwd) == {"all_gather_into_tensor": 1}
+    for v, g in zip(values, grads):
+        torch.testing.assert_close(v, want, **TOL)
+        torch.testing.assert_close(g, want_grad, **TOL)
