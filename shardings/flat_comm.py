@@ -122,6 +122,10 @@ def launch_reduce(comm: Comm, grads: list[torch.Tensor], target: list[ShardAt]) 
     return flat
 
 
-def split_reduced(comm: Comm, flat: torch.Tensor, like: list[torch.Tensor], target: list[ShardAt]):
+def split_reduced(comm: Comm, flat: torch.Tensor, like: list[torch.Tensor], target: list[ShardAt],
+                  awaited: bool = True) -> list[torch.Tensor]:
+    """``flat`` (from :func:`launch_reduce`) split into the leaves' reduced blocks; with ``awaited=False``
+    they are views of the collective still in flight, awaited on first use (or by :func:`wait`)."""
     shapes = [g.chunk(comm.size(t[0]), dim=t[1])[0].shape if t else g.shape for g, t in zip(like, target)]
-    return [p.view(s) for p, s in zip(wait(flat).split([math.prod(s) for s in shapes]), shapes)]
+    flat = wait(flat) if awaited else flat
+    return [p.view(s) for p, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]

@@ -11,15 +11,21 @@ backward reduce-scatters all its gradients that come back ``Partial`` over that 
 collective. Gathered weights are registered with :func:`~shardings.gather_params.regather_in_backward`,
 so autograd keeps none of them alive: the first weight backward needs gathers the whole bucket again
 (one collective), held until the bucket's own backward has run.
+
+Communication overlaps as on the local path (:mod:`shardings.local_step`): every bucket's forward
+all-gather is in flight before the first is awaited; in backward, re-gathering a bucket launches the
+gather of the bucket backward needs next (the reverse of the order autograd first saved them in);
+a bucket's reduce-scatter is launched and left in flight, its gradients are views of the pending
+result, awaited by :func:`settle` once backward is done.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
@@ -45,34 +51,72 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
         else:
             at[i] = where
     bucketed, kept = fc.unit_buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb, units)
-    for k, b in enumerate(bucketed):
-        bucket = _Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
-                         [shards[i].detach() for i in b])
-        for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, *(shards[i] for i in b)))):
+    saved_order: list[_Bucket] = []  # buckets in the order autograd first saved one of their weights
+    buckets = [_Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
+                       [shards[i].detach() for i in b], saved_order) for b in bucketed]
+    pending = [bucket.launch() for bucket in buckets]  # all in flight before the first is awaited
+    for k, (b, bucket, flat) in enumerate(zip(bucketed, buckets, pending)):
+        for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, flat, *(shards[i] for i in b)))):
             out[i] = full
             if k not in kept:  # else autograd keeps it: no backward re-gather
-                register(full, functools.partial(bucket.regathered, pos))
+                register(full, _Saved(bucket, pos))
     return out
+
+
+def settle(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``grads`` with the reduce-scatters a bucket's backward left in flight awaited (after backward)."""
+    return [fc.dtensor(fc.wait(g._local_tensor), g.device_mesh, g.placements, g)
+            if isinstance(g, DTensor) and isinstance(g._local_tensor, funcol.AsyncCollectiveTensor) else g
+            for g in grads]
 
 
 class _Bucket:
     """One bucket's leaves: how to gather them all with one collective, and the copy backward re-gathered."""
 
-    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor]):
-        self.at, self.placements, self.shards = at, placements, shards
+    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor], saved_order: list[_Bucket]):
+        self.at, self.placements, self.shards, self.saved_order = at, placements, shards, saved_order
         self.comm = fc.Comm(shards[0].device_mesh, (at[0][0],))
+        self.pending: torch.Tensor | None = None  # a launched backward re-gather (prefetched)
         self.cached: tuple[DTensor, ...] | None = None  # the backward re-gather, until the bucket's backward ends
+        self.done = False  # its backward has run
 
-    def gather(self, shards: Sequence[DTensor]) -> tuple[DTensor, ...]:
+    def launch(self) -> torch.Tensor:
+        return fc.launch_gather(self.comm, [s.to_local() for s in self.shards], self.at[0])
+
+    def assemble(self, flat: torch.Tensor, shards: Sequence[DTensor]) -> tuple[DTensor, ...]:
         blocks = [s.to_local() for s in shards]
-        fulls = fc.assemble(self.comm, fc.launch_gather(self.comm, blocks, self.at[0]), blocks, list(self.at))
+        fulls = fc.assemble(self.comm, flat, blocks, list(self.at))
         return tuple(fc.dtensor(f, self.comm.mesh, pl, s) for f, pl, s in zip(fulls, self.placements, shards))
 
     def regathered(self, pos: int) -> DTensor:
-        """Leaf ``pos`` gathered again for backward: the first leaf asked for gathers the whole bucket."""
+        """Leaf ``pos`` gathered again for backward: the first leaf asked for gathers the whole bucket,
+        and launches the gather of the bucket backward reaches next."""
         if self.cached is None:
-            self.cached = self.gather(self.shards)
+            self.cached = self.assemble(self.pending if self.pending is not None else self.launch(), self.shards)
+            self.pending = None
+            k = self.saved_order.index(self) if self in self.saved_order else 0
+            nxt = self.saved_order[k - 1] if k > 0 else None
+            if nxt is not None and not nxt.done and nxt.cached is None and nxt.pending is None:
+                with torch.no_grad():
+                    nxt.pending = nxt.launch()
         return self.cached[pos]
+
+
+class _Saved:
+    """What :func:`~shardings.gather_params.register` holds for a gathered weight: re-gathers it
+    (``__call__``) and notes its bucket's first save, which orders the backward prefetch."""
+
+    __slots__ = ("bucket", "pos")
+
+    def __init__(self, bucket: _Bucket, pos: int):
+        self.bucket, self.pos = bucket, pos
+
+    def __call__(self) -> DTensor:
+        return self.bucket.regathered(self.pos)
+
+    def on_save(self) -> None:
+        if self.bucket not in self.bucket.saved_order:
+            self.bucket.saved_order.append(self.bucket)
 
 
 def _gathered_at(s: DTensor, placements: Sequence[Any]) -> tuple[int, int] | None:
@@ -96,14 +140,14 @@ class _GatherBucket(torch.autograd.Function):
     (it runs once every leaf's gradient exists, after the last use of the re-gathered weights: freed here)."""
 
     @staticmethod
-    def forward(ctx: Any, bucket: _Bucket, *shards: DTensor) -> tuple[DTensor, ...]:
+    def forward(ctx: Any, bucket: _Bucket, flat: torch.Tensor, *shards: DTensor) -> tuple[DTensor, ...]:
         ctx.bucket = bucket
-        return bucket.gather(shards)
+        return bucket.assemble(flat, shards)
 
     @staticmethod
     def backward(ctx: Any, *grads: DTensor | None) -> tuple[DTensor | None, ...]:
         bucket = ctx.bucket
-        bucket.cached = None
+        bucket.cached, bucket.done = None, True
         dm, m = bucket.comm.mesh, bucket.at[0][0]
         out: list[DTensor | None] = [None] * len(grads)
         summed: list[tuple[int, torch.Tensor]] = []  # (leaf, local gradient) Partial(sum) over m
@@ -120,6 +164,7 @@ class _GatherBucket(torch.autograd.Function):
         if summed:
             blocks, at = [b for _, b in summed], [bucket.at[k] for k, _ in summed]
             flat = fc.launch_reduce(bucket.comm, blocks, at)
-            for (k, _), local in zip(summed, fc.split_reduced(bucket.comm, flat, blocks, at)):
+            # views of the reduce-scatter in flight (awaited by settle): it overlaps the rest of backward
+            for (k, _), local in zip(summed, fc.split_reduced(bucket.comm, flat, blocks, at, awaited=False)):
                 out[k] = fc.dtensor(local, dm, bucket.shards[k].placements, bucket.shards[k])
-        return (None, *out)
+        return (None, None, *out)

@@ -29,6 +29,8 @@ class _Regather:
 
     def __init__(self, gather: Callable[[], DTensor], view: DTensor):
         self.gather = gather
+        if hasattr(gather, "on_save"):
+            gather.on_save()
         local = view._local_tensor
         self.local_geometry = (local.size(), local.stride(), local.storage_offset())
         self.view_placements, self.view_shape, self.view_stride = view.placements, view.shape, view.stride()
@@ -72,7 +74,8 @@ def to_compute(shard: DTensor, placements: Any) -> DTensor:
 
 def register(gathered: DTensor, gather: Callable[[], DTensor]) -> None:
     """Inside :func:`regather_in_backward`, autograd saves ``gathered`` (or a view of it) as a call to
-    ``gather()``, which must return an equal tensor laid out the same way (a fresh gather does)."""
+    ``gather()``, which must return an equal tensor laid out the same way (a fresh gather does).
+    A ``gather`` with an ``on_save()`` method has it called each time such a save happens."""
     if _ACTIVE:
         _ACTIVE[-1].add(gathered, gather)
 

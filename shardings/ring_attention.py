@@ -89,11 +89,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     """
     k = constrain(_repeat_kv(k, q.shape[2]), Q_NAMES)
     v = constrain(_repeat_kv(v, q.shape[2]), Q_NAMES)
+    return _whole_seq_attention(q, k, v, causal)
+
+
+def _whole_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     mask = None
     if causal:
         pos = _arange(q, q.shape[1])
         mask = pos[:, None] >= pos[None, :]  # (seq_q, seq_k): query s sees keys t <= s
     return _softmax_attention(q, k, v, mask)
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """One rank's block of :func:`reference_attention` (plain tensors, whole sequences)."""
+    return _whole_seq_attention(q, _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2]), causal)
 
 
 # -- the zigzag schedule ----------------------------------------------------------------------------
@@ -304,6 +313,18 @@ def _allgather_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _R
 # -- the public entry point -------------------------------------------------------------------------
 
 
+def _per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: P, mesh: Mesh, causal: bool) -> torch.Tensor:
+    """:func:`reference_attention` with seq whole: each rank's (batch, heads) blocks on their own, under
+    :func:`shard_map` (plain tensors: no sharding propagation per op, as torchtitan computes between its
+    column- and row-parallel linears), when the blocks are even; otherwise on the DTensors."""
+    dims = q_spec.dim_axes() + ((),) * (4 - len(q_spec))
+    batch, heads = mesh.axis_size(dims[0]), mesh.axis_size(dims[2])
+    if dims[3] or q.shape[0] % batch or q.shape[2] % heads or (dims[2] and k.shape[2] % heads):
+        return reference_attention(q, k, v, causal=causal)
+    spec = P(q_spec[0], None, q_spec[2])
+    return shard_map(functools.partial(_local_attention, causal=causal), mesh, (spec, spec, spec), spec)(q, k, v)
+
+
 def _axis_label(mesh: Mesh, axes: tuple[str, ...]) -> str:
     return "+".join(sorted(axes, key=mesh.axis_names.index))
 
@@ -340,7 +361,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q_spec = logical_to_spec(Q_NAMES, rules, mesh)
     seq_axes = q_spec.dim_axes()[1]
     if not seq_axes:
-        return reference_attention(q, k, v, causal=causal)
+        return _per_block(q, k, v, q_spec, mesh, causal)
     kv_rules = rules if rules.targets("kv_seq") else rules.replace(kv_seq=seq_axes)
     kv_seq_axes = logical_to_spec(KV_NAMES, kv_rules, mesh).dim_axes()[1]
     if kv_seq_axes not in ((), seq_axes):

@@ -140,7 +140,7 @@ class TrainStep:
                     compute = self._cast_compute(compute)
                     loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                     del compute
-                    g = torch.autograd.grad(loss, leaves, allow_unused=True)
+                    g = gather_buckets.settle(torch.autograd.grad(loss, leaves, allow_unused=True))
                 g = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(leaves, g)]
                 acc = g if acc is None else [a + b for a, b in zip(acc, g)]
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
