@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from shardings import attention as layout_attention
 from shardings import constrain, einsum
-from shardings.vocab_parallel import embedding, logsumexp
+from shardings.vocab_parallel import embedding, nll
 
 __all__ = [
     "arange_like",
@@ -118,8 +118,8 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Mean float32 cross-entropy over the labels that are not ``ignore_index``.
 
-    The target logit is picked with a one-hot product rather than ``gather``, so a vocab-sharded
-    DTensor reduces over its shards (vocab-parallel loss) instead of needing whole rows. A batch
+    Per token :func:`shardings.vocab_parallel.nll`: on vocab-sharded logits each rank works on its own
+    block and only per-token values are reduced (the vocab-parallel loss), never whole rows. A batch
     whose labels are all ignored gives 0, not NaN.
 
     Args:
@@ -133,14 +133,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int)
     >>> round(cross_entropy(torch.zeros(1, 2, 4), torch.tensor([[1, -100]]), ignore_index=-100).item(), 4)  # log 4
     1.3863
     """
-    logits = logits.float()
-    one_hot = labels[..., None] == arange_like(logits, logits.shape[-1])  # (batch, seq, vocab); none if ignored
-    # (batch, seq); vocab-sharded, each rank's sum is partial: reduced here (left to itself, DTensor
-    # may reduce-scatter it over seq instead, and backward then moves the whole logits' gradient)
-    target = constrain((logits * one_hot).sum(-1), ("batch", "block_seq"))
-    nll = logsumexp(logits, dim=-1) - target  # on vocab-sharded DTensors: block by block, no gather
-    keep = (labels != ignore_index).float()
-    return (nll * keep).sum() / keep.sum().clamp(min=1.0)
+    keep = labels != ignore_index
+    per_token = nll(logits, labels.masked_fill(~keep, -1))  # -1: outside the vocab, picks no logit
+    keep = keep.float()
+    return (per_token * keep).sum() / keep.sum().clamp(min=1.0)
 
 
 def next_token_batch(

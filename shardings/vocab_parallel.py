@@ -1,4 +1,4 @@
-"""The vocab-parallel ends of a language model: the embedding lookup and the loss's ``logsumexp``.
+"""The vocab-parallel ends of a language model: the embedding lookup and the loss (``nll``, ``logsumexp``).
 
 **logsumexp** over a dim a DTensor shards, without gathering it. DTensor's own ``torch.logsumexp``
 over a sharded dim all-gathers the whole tensor first: for vocab-sharded logits, every rank then
@@ -6,6 +6,12 @@ holds (and moves) the full ``(batch, seq, vocab)`` logits. Split as Megatron's a
 ``loss_parallel``'s cross-entropy do, each rank works on its own block and only ``(batch, seq)``
 values are reduced: the max (one all-reduce), then the sum of exponentials (another); backward
 needs none. Plain tensors take ``torch.logsumexp``.
+
+**nll**, the per-token cross-entropy, goes further on evenly vocab-sharded logits, as Megatron's
+``VocabParallelCrossEntropy``: one autograd function on each rank's block reduces the max, the sum
+of exponentials and the target logit (three ``(batch, seq)`` all-reduces), keeps only the logits'
+block for backward and writes the gradient ``softmax − one_hot`` into one block-sized buffer, where
+the composite form would hold a ``(batch, seq, vocab)`` one-hot and several gradient-sized temporaries.
 
 **embedding** with vocab-sharded rows: each rank looks its tokens up in its own rows (zeros for the
 others') and the result is ``Partial``; constraining it to the residual stream's layout then
@@ -22,9 +28,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["embedding", "logsumexp"]
+from shardings import flat_comm as fc
+
+__all__ = ["embedding", "logsumexp", "nll"]
 
 
 def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -62,3 +70,62 @@ def _reduced(x: DTensor) -> DTensor:
     # Partial -> Replicate (an all-reduce of (batch, seq) values); left to itself DTensor may
     # reduce-scatter instead, and backward then moves the (batch, seq, vocab) gradient to match.
     return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+
+
+def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy ``logsumexp(logits) - logits[label]`` over the last dim, in float32.
+
+    A label outside ``[0, vocab)`` (``ignore_index``) picks no logit: mask its token out. On logits
+    whose last dim is evenly sharded (and no ``Partial``), block by block with three ``(batch, seq)``
+    all-reduces (see the module docstring); other DTensors take the composite form.
+
+    >>> [round(v, 4) for v in nll(torch.zeros(1, 2, 4), torch.tensor([[1, -100]]))[0].tolist()]  # log 4
+    [1.3863, 1.3863]
+    """
+    x = logits.float()
+    if isinstance(x, DTensor) and isinstance(labels, DTensor):
+        vocab_dims = tuple(m for m, p in enumerate(x.placements) if p.is_shard(x.ndim - 1))
+        blocks = math.prod(x.device_mesh.size(m) for m in vocab_dims)
+        plain = all(type(p) in (Shard, Replicate) for p in x.placements)
+        if vocab_dims and plain and x.shape[-1] % blocks == 0:
+            out = tuple(Replicate() if m in vocab_dims else p for m, p in enumerate(x.placements))
+            labels = labels if tuple(labels.placements) == out else labels.redistribute(x.device_mesh, out)
+            ids = x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1  # global vocab ids, replicated
+            split = [Shard(0) if m in vocab_dims else Replicate() for m in range(len(out))]
+            ids = ids.redistribute(x.device_mesh, split)  # each rank's block of them: a slice, no communication
+            return _BlockNll.apply(x, labels, ids.to_local(), vocab_dims, out)
+    hits = labels[..., None] == x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1  # (..., vocab) one-hot
+    target = (x * hits).sum(-1)
+    return logsumexp(x, dim=-1) - (_reduced(target) if isinstance(target, DTensor) else target)
+
+
+class _BlockNll(torch.autograd.Function):
+    """:func:`nll` on each rank's block of evenly vocab-sharded logits; backward ``(softmax − one_hot)·g``."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, labels: DTensor, ids: torch.Tensor, vocab_dims: tuple, out: tuple) -> DTensor:
+        block, lab = x.to_local(), labels.to_local()
+        dm, like = x.device_mesh, torch.empty(x.shape[:-1], device="meta")
+
+        def all_reduce(local: torch.Tensor, op: str) -> torch.Tensor:  # over the vocab's mesh dims
+            pending = [Partial(op) if m in vocab_dims else p for m, p in enumerate(out)]
+            return fc.dtensor(local, dm, pending, like).redistribute(dm, out).to_local()
+
+        shift = all_reduce(block.detach().amax(-1), "max")  # (batch, seq) block: the row max over all shards
+        lse = all_reduce((block - shift[..., None]).exp_().sum(-1), "sum").log() + shift
+        idx = lab - ids[:1]  # the label's column in this block; in range on exactly one shard
+        hit = (idx >= 0) & (idx < block.shape[-1])
+        idx = torch.where(hit, idx, 0)
+        target = all_reduce(block.gather(-1, idx[..., None]).squeeze(-1) * hit, "sum")
+        ctx.save_for_backward(block, lse, idx, hit)
+        ctx.placements, ctx.dm, ctx.shape, ctx.out = x.placements, dm, x.shape, out
+        return fc.dtensor(lse - target, dm, out, like)
+
+    @staticmethod
+    def backward(ctx, g: DTensor):
+        block, lse, idx, hit = ctx.saved_tensors
+        g = g if tuple(g.placements) == ctx.out else g.redistribute(ctx.dm, ctx.out)  # Partial: reduced
+        g = g.to_local()
+        grad = (block - lse[..., None]).exp_().mul_(g[..., None])  # softmax · g, in one block-sized buffer
+        grad.scatter_add_(-1, idx[..., None], (-g * hit)[..., None])  # − one_hot · g
+        return fc.dtensor(grad, ctx.dm, ctx.placements, torch.empty(ctx.shape, device="meta")), None, None, None, None

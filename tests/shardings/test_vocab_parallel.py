@@ -7,7 +7,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import shardings
 from shardings import Mesh, P, per_rank, shard
-from shardings.vocab_parallel import embedding, logsumexp
+from shardings.vocab_parallel import embedding, logsumexp, nll
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; the shifted sum of exponentials adds in another order
 
@@ -77,4 +77,30 @@ def test_vocab_sharded_embedding_is_a_partial_lookup_equal_to_torchs(vocab):
         assert _collectives(fwd) == {"all_gather_into_tensor": 1}
     for v, g in zip(values, grads):
         torch.testing.assert_close(v, want, **TOL)
+        torch.testing.assert_close(g, want_grad, **TOL)
+
+
+@pytest.mark.parametrize("vocab", [16, 15])  # 16: each rank's block on its own; 15 (uneven): the composite form
+def test_per_token_nll_equals_torchs_cross_entropy_with_three_small_all_reduces(vocab):
+    x, labels, cot = torch.randn(4, 6, vocab), torch.randint(0, vocab, (4, 6)), torch.randn(4, 6)
+    labels[0, :2] = -1  # outside the vocab: picks no logit (the caller masks such tokens out)
+    ref = x.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+    want = torch.where(labels >= 0, want.view(4, 6), torch.logsumexp(ref, -1))
+    (want_grad,) = torch.autograd.grad(want, ref, cot)
+    torch.testing.assert_close(nll(x, labels), want.detach(), **TOL)
+    with shardings.simulate(4):
+        mesh = Mesh(dp=2, tp=2)
+        assert mesh.device_mesh is not None
+        logits = shard(x, P("dp", None, "tp"), mesh).requires_grad_()
+        with CommDebugMode() as fwd:
+            got = nll(logits, shard(labels, P("dp"), mesh))
+        with CommDebugMode() as bwd:
+            (grad,) = torch.autograd.grad(got, logits, shard(cot, P("dp"), mesh))
+        values, grads = per_rank(got.full_tensor()), per_rank(grad.full_tensor())
+    if vocab == 16:  # the max, the sum of exponentials, the target logit: (batch, seq) each; backward none
+        assert _collectives(fwd) == {"all_reduce": 3} and _collectives(bwd) == {}
+        assert got.placements == (Shard(0), Replicate()) and grad.placements == logits.placements
+    for v, g in zip(values, grads):
+        torch.testing.assert_close(v, want.detach(), **TOL)
         torch.testing.assert_close(g, want_grad, **TOL)
