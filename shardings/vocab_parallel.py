@@ -24,7 +24,9 @@ would be empty (vocab 5 over tp=7) the rows are all-gathered first, in the open 
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,49 +85,55 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     [1.3863, 1.3863]
     """
     x = logits.float()
-    if isinstance(x, DTensor) and isinstance(labels, DTensor):
+    if not isinstance(x, DTensor):
+        return _BlockNll.apply(x, labels, x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1, None)
+    if isinstance(labels, DTensor):
         vocab_dims = tuple(m for m, p in enumerate(x.placements) if p.is_shard(x.ndim - 1))
         blocks = math.prod(x.device_mesh.size(m) for m in vocab_dims)
         plain = all(type(p) in (Shard, Replicate) for p in x.placements)
         if vocab_dims and plain and x.shape[-1] % blocks == 0:
+            dm = x.device_mesh
             out = tuple(Replicate() if m in vocab_dims else p for m, p in enumerate(x.placements))
-            labels = labels if tuple(labels.placements) == out else labels.redistribute(x.device_mesh, out)
+            labels = labels if tuple(labels.placements) == out else labels.redistribute(dm, out)
             ids = x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1  # global vocab ids, replicated
             split = [Shard(0) if m in vocab_dims else Replicate() for m in range(len(out))]
-            ids = ids.redistribute(x.device_mesh, split)  # each rank's block of them: a slice, no communication
-            return _BlockNll.apply(x, labels, ids.to_local(), vocab_dims, out)
+            ids = ids.redistribute(dm, split)  # each rank's block of them: a slice, no communication
+            like = torch.empty(x.shape[:-1], device="meta")
+            pending = tuple(Partial if m in vocab_dims else p for m, p in enumerate(out))
+            reduce = functools.partial(_all_reduce, dm, pending, out, like)
+            local = _BlockNll.apply(x.to_local(grad_placements=x.placements), labels.to_local(), ids.to_local(), reduce)
+            return DTensor.from_local(local, dm, out, run_check=False, shape=like.shape, stride=like.stride())
     hits = labels[..., None] == x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1  # (..., vocab) one-hot
     target = (x * hits).sum(-1)
     return logsumexp(x, dim=-1) - (_reduced(target) if isinstance(target, DTensor) else target)
 
 
+def _all_reduce(dm: Any, pending: tuple, out: tuple, like: torch.Tensor, local: torch.Tensor, op: str) -> torch.Tensor:
+    """Each rank's ``(batch, seq)`` block reduced with ``op`` over the mesh dims ``pending`` marks ``Partial``."""
+    placements = [p(op) if p is Partial else p for p in pending]
+    return fc.dtensor(local, dm, placements, like).redistribute(dm, out).to_local()
+
+
 class _BlockNll(torch.autograd.Function):
-    """:func:`nll` on each rank's block of evenly vocab-sharded logits; backward ``(softmax − one_hot)·g``."""
+    """:func:`nll` on one block of the vocab (local tensors): the (batch, seq) values are completed by
+    ``all_reduce(value, op)`` over the other blocks (``None``: the block is the whole vocab);
+    backward ``(softmax − one_hot)·g`` in one block-sized buffer, no collective."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, labels: DTensor, ids: torch.Tensor, vocab_dims: tuple, out: tuple) -> DTensor:
-        block, lab = x.to_local(), labels.to_local()
-        dm, like = x.device_mesh, torch.empty(x.shape[:-1], device="meta")
-
-        def all_reduce(local: torch.Tensor, op: str) -> torch.Tensor:  # over the vocab's mesh dims
-            pending = [Partial(op) if m in vocab_dims else p for m, p in enumerate(out)]
-            return fc.dtensor(local, dm, pending, like).redistribute(dm, out).to_local()
-
-        shift = all_reduce(block.detach().amax(-1), "max")  # (batch, seq) block: the row max over all shards
-        lse = all_reduce((block - shift[..., None]).exp_().sum(-1), "sum").log() + shift
-        idx = lab - ids[:1]  # the label's column in this block; in range on exactly one shard
+    def forward(ctx, block: torch.Tensor, lab: torch.Tensor, ids: torch.Tensor, all_reduce: Any) -> torch.Tensor:
+        reduce = all_reduce or (lambda value, op: value)
+        shift = reduce(block.detach().amax(-1), "max")  # (batch, seq): the row max over all blocks
+        lse = reduce((block - shift[..., None]).exp_().sum(-1), "sum").log() + shift
+        idx = lab - ids[:1]  # the label's column in this block; in range in exactly one block
         hit = (idx >= 0) & (idx < block.shape[-1])
         idx = torch.where(hit, idx, 0)
-        target = all_reduce(block.gather(-1, idx[..., None]).squeeze(-1) * hit, "sum")
+        target = reduce(block.gather(-1, idx[..., None]).squeeze(-1) * hit, "sum")
         ctx.save_for_backward(block, lse, idx, hit)
-        ctx.placements, ctx.dm, ctx.shape, ctx.out = x.placements, dm, x.shape, out
-        return fc.dtensor(lse - target, dm, out, like)
+        return lse - target
 
     @staticmethod
-    def backward(ctx, g: DTensor):
+    def backward(ctx, g: torch.Tensor):
         block, lse, idx, hit = ctx.saved_tensors
-        g = g if tuple(g.placements) == ctx.out else g.redistribute(ctx.dm, ctx.out)  # Partial: reduced
-        g = g.to_local()
-        grad = (block - lse[..., None]).exp_().mul_(g[..., None])  # softmax · g, in one block-sized buffer
+        grad = (block - lse[..., None]).exp_().mul_(g[..., None])  # softmax · g
         grad.scatter_add_(-1, idx[..., None], (-g * hit)[..., None])  # − one_hot · g
-        return fc.dtensor(grad, ctx.dm, ctx.placements, torch.empty(ctx.shape, device="meta")), None, None, None, None
+        return grad, None, None, None
