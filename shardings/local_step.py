@@ -6,8 +6,9 @@ inside the loss needs a DTensor. Each rank's loss is the single-device loss on i
 the train step runs ``loss_fn`` on plain local tensors — no sharding propagation, no per-op
 dispatch — and performs the layout's collectives itself, bucketed and asynchronous:
 
-- **stored sharded** (ZeRO-3, HSDP): the shards are all-gathered in buckets before the loss (all
-  buckets launched at once, each awaited when assembled; a bucket never spans two blocks).
+- **stored sharded** (ZeRO-3, HSDP): the shards are all-gathered in buckets (a bucket never spans
+  two blocks) as the loss first uses them (:mod:`shardings.lazy_params`), the next bucket's gather
+  in flight meanwhile; a block's are freed when the loss moves on to the next (FSDP2's forward).
   Gathered parameters saved for backward are re-gathered there, one bucket at a time, prefetching
   the next bucket backward will need; the root unit's (outside the blocks) stay gathered, as FSDP2's.
   A bucket's backward reduce-scatters its gradients in one collective (then all-reduces over any
@@ -35,6 +36,7 @@ from core import optim, tree
 from core.optim.fused import fusable
 from shardings import flat_comm as fc
 from shardings.layouts import LOGICAL_NAMES, Layout
+from shardings.lazy_params import Lazy
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
 
@@ -122,16 +124,40 @@ class _Gathered:
         self.full: dict[int, weakref.ref] = {}  # id(full tensor) -> (ref, bucket, position)
         self.cache: dict[int, Any] = {}  # bucket -> gathered flat (re-gathered in backward)
         self.backward_order: list[int] = []
+        self.pending: dict[int, torch.Tensor] = {}  # bucket -> forward all-gather in flight
+        self.live: dict[int, list[torch.Tensor]] = {}  # bucket -> its full tensors, while forward uses them
 
     def forward(self) -> dict[int, torch.Tensor]:
+        """Leaf index -> its full parameter: a :class:`~shardings.lazy_params.Lazy` placeholder, gathered
+        (with its bucket) when the loss first uses it; the next bucket's gather is then launched."""
         lp, out = self.lp, {}
-        pending = [self._launch(k) for k in range(len(lp.gathers))]  # all in flight before the first is awaited
-        for k, (b, flat) in enumerate(zip(lp.gathers, pending)):
-            fulls = _GatherBucket.apply(self, k, flat, *[self.shards[i] for i in b])
-            for pos, (i, f) in enumerate(zip(b, fulls)):
-                self.full[id(f)] = (weakref.ref(f), k, pos)
-                out[i] = f
+        for k in range(min(2, len(lp.gathers))):
+            self.pending[k] = self._launch(k)
+        for k, b in enumerate(lp.gathers):
+            for pos, i in enumerate(b):
+                out[i] = (self.materialize(k)[pos] if torch.compiler.is_compiling()
+                          else Lazy(self.shards[i], _full_shape(self, i), self, k, pos))
         return out
+
+    def materialize(self, k: int) -> list[torch.Tensor]:
+        """Bucket ``k``'s full tensors (autograd: their backward reduce-scatters); a block's are dropped
+        when the next block's are first needed, as FSDP2 reshards after a block's forward (used again
+        later, a bucket is gathered again: correct, one more collective)."""
+        got = self.live.get(k)
+        if got is not None:
+            return got
+        flat = self.pending.pop(k) if k in self.pending else self._launch(k)
+        b = self.lp.gathers[k]
+        with torch.enable_grad():
+            fulls = list(_GatherBucket.apply(self, k, flat, *[self.shards[i] for i in b]))
+        for pos, f in enumerate(fulls):
+            for t in (f,) if f._base is None else (f, f._base):  # a one-leaf bucket's is a view of the gathered buffer
+                self.full[id(t)] = (weakref.ref(t), k, pos)
+        self.drop_blocks()
+        self.live[k] = fulls
+        if k + 1 < len(self.lp.gathers) and k + 1 not in self.live and k + 1 not in self.pending:
+            self.pending[k + 1] = self._launch(k + 1)  # prefetch: it gathers while this bucket computes
+        return fulls
 
     def pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
@@ -151,6 +177,11 @@ class _Gathered:
         if nxt < len(self.backward_order) and self.backward_order[nxt] not in self.cache:  # prefetch
             self.cache[self.backward_order[nxt]] = self._launch(self.backward_order[nxt])
         return full.as_strided(size, stride, offset)
+
+    def drop_blocks(self) -> None:
+        """Forget the gathered buckets autograd does not keep (freed unless an op still holds them)."""
+        for j in [j for j in self.live if j not in self.lp.kept]:
+            del self.live[j]
 
     def bucket(self, k: int) -> list[torch.Tensor]:
         got = self.cache.get(k)
@@ -242,8 +273,10 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
                 weight = torch.as_tensor(token_count(mb)).to(torch.float32) / total
                 loss = loss_fn(tree.unflatten(treedef, compute), mb) * weight
                 del compute
+                gathered.drop_blocks()  # forward is over: backward re-gathers them
             grads = torch.autograd.grad(loss, local, allow_unused=True)
         finally:
+            gathered.live.clear()  # the root's fulls (a cycle through their autograd nodes otherwise)
             for h in hooks:
                 h.remove()
         loss_sum = loss_sum + loss.detach().float()

@@ -161,3 +161,33 @@ def test_only_a_root_beside_blocks_stays_gathered():
     assert flat_comm.unit_buckets([0, 1, 2], leaves, key, 25, [(), block, ()]) == (((0, 2), (1,)), (0,))
     # no blocks (an MLP's dict of layers): one unit, all re-gathered
     assert flat_comm.unit_buckets([0, 1], leaves, key, 25, [(), ()]) == (((0, 1),), ())
+
+
+def test_zero3_gathers_each_block_when_the_loss_first_uses_it_and_frees_it_after():
+    """FSDP2's forward: the loss sees placeholders; a block is gathered on first use and dropped when the next starts."""
+    import weakref
+
+    from shardings.lazy_params import Lazy
+
+    seen = []  # per block: (placeholder?, earlier blocks' gathered weights still alive)
+
+    def loss_fn(params, batch):
+        x, earlier = batch["x"], []
+        for w in params["blocks"]:
+            lazy = isinstance(w, Lazy) and w.shape == (4, 4) and w.ndim == 2  # metadata: no gather
+            full = w.owner.materialize(w.bucket)[w.pos]  # what the first op on it gets
+            x = torch.tanh(x @ w)
+            seen.append((lazy, sum(r() is not None for r in earlier)))
+            earlier.append(weakref.ref(full))
+            del full
+        return x.square().mean()
+
+    params = {"blocks": [torch.randn(4, 4) for _ in range(3)]}
+    batch = {"x": torch.randn(4, 4)}
+    mesh = Mesh(dp=2)
+    with shardings.simulate(2):
+        sharded = shardings.shard(params, {"blocks": [shardings.P("dp")] * 3}, mesh)
+        step = shardings.train_step(loss_fn, core.optim.sgd(0.1), layout="zero3", mesh=mesh,
+                                    axes={"blocks": [("embed", None)] * 3}, token_count=lambda b: b["x"].shape[0])
+        step(sharded, step.init(sharded), batch)
+    assert seen == [(True, 0), (True, 0), (True, 0)]
