@@ -277,6 +277,9 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
             grads = torch.autograd.grad(loss, local, allow_unused=True)
         finally:
             gathered.live.clear()  # the root's fulls (a cycle through their autograd nodes otherwise)
+            for flat in gathered.pending.values():  # a prefetch the loss never used (an unused block)
+                fc.wait(flat)
+            gathered.pending.clear()
             for h in hooks:
                 h.remove()
         loss_sum = loss_sum + loss.detach().float()

@@ -1,6 +1,7 @@
 """shardings.local_step: data-parallel layouts on local tensors equal the DTensor path and one device."""
 
 import functools
+import weakref
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import models.gpt as gpt
 import shardings
 from core import tree
 from shardings import Mesh, flat_comm, local_step
+from shardings.lazy_params import Lazy
 from shardings.testing import check_equivalence
 
 CFG = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8)
@@ -164,11 +166,7 @@ def test_only_a_root_beside_blocks_stays_gathered():
 
 
 def test_zero3_gathers_each_block_when_the_loss_first_uses_it_and_frees_it_after():
-    """FSDP2's forward: the loss sees placeholders; a block is gathered on first use and dropped when the next starts."""
-    import weakref
-
-    from shardings.lazy_params import Lazy
-
+    """FSDP2's forward: the loss sees placeholders; a block is gathered on first use, dropped when the next starts."""
     seen = []  # per block: (placeholder?, earlier blocks' gathered weights still alive)
 
     def loss_fn(params, batch):
