@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shardings.errors import sharding_error
+from shardings.lazy_params import resolve
 from shardings.lower import constrain_to, on_mesh, to_placements
 from shardings.mesh import Mesh, P
 from shardings.rules import Rules, logical_to_spec
@@ -128,6 +129,7 @@ def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch
     ctx = current()
     if ctx is None:
         return x
+    x = resolve(x)  # a ZeRO-3 placeholder: gathered now
     spec = _spec_for(x, names_or_spec, ctx)
     placements = to_placements(spec, ctx.mesh, tuple(x.shape))
     x = on_mesh(

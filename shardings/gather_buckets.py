@@ -12,11 +12,13 @@ collective. Gathered weights are registered with :func:`~shardings.gather_params
 so autograd keeps none of them alive: the first weight backward needs gathers the whole bucket again
 (one collective), held until the bucket's own backward has run.
 
-Communication overlaps as on the local path (:mod:`shardings.local_step`): every bucket's forward
-all-gather is in flight before the first is awaited; in backward, re-gathering a bucket launches the
-gather of the bucket backward needs next (the reverse of the order autograd first saved them in);
-a bucket's reduce-scatter is launched and left in flight, its gradients are views of the pending
-result, awaited by :func:`settle` once backward is done.
+Communication overlaps as on the local path (:mod:`shardings.local_step`): the loss gets
+placeholders (:mod:`shardings.lazy_params`), a bucket is gathered when first used while the next
+one's gather is in flight, and a block's weights are dropped when the next block's are needed; in
+backward, re-gathering a bucket launches the gather of the bucket backward needs next (the reverse
+of the order autograd first saved them in); a bucket's reduce-scatter is launched and left in
+flight, its gradients are views of the pending result, awaited by :func:`settle` once backward is
+done.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import flat_comm as fc
 from shardings.gather_params import register, to_compute
+from shardings.lazy_params import Lazy
 
 __all__ = ["gather"]
 
@@ -54,13 +57,40 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
     saved_order: list[_Bucket] = []  # buckets in the order autograd first saved one of their weights
     buckets = [_Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
                        [shards[i].detach() for i in b], saved_order) for b in bucketed]
-    pending = [bucket.launch() for bucket in buckets]  # all in flight before the first is awaited
-    for k, (b, bucket, flat) in enumerate(zip(bucketed, buckets, pending)):
-        for pos, (i, full) in enumerate(zip(b, _GatherBucket.apply(bucket, flat, *(shards[i] for i in b)))):
-            out[i] = full
-            if k not in kept:  # else autograd keeps it: no backward re-gather
-                register(full, _Saved(bucket, pos))
+    forward = _Forward(buckets, [[shards[i] for i in b] for b in bucketed], kept)
+    for k, b in enumerate(bucketed):
+        for pos, i in enumerate(b):
+            out[i] = forward.materialize(k)[pos] if torch.compiler.is_compiling() else Lazy(shards[i], shards[i].shape,
+                                                                                            forward, k, pos)
     return out
+
+
+class _Forward:
+    """The forward's gathers, on first use (:mod:`shardings.lazy_params`), the next bucket's in flight; a
+    block's weights are dropped when the next block's are needed (as on the local path)."""
+
+    def __init__(self, buckets: list[_Bucket], shards: list[list[DTensor]], kept: tuple[int, ...]):
+        self.buckets, self.shards, self.kept = buckets, shards, kept
+        self.pending = {k: buckets[k].launch() for k in range(min(2, len(buckets)))}
+        self.live: dict[int, tuple[DTensor, ...]] = {}
+
+    def materialize(self, k: int) -> tuple[DTensor, ...]:
+        got = self.live.get(k)
+        if got is not None:
+            return got
+        bucket = self.buckets[k]
+        flat = self.pending.pop(k) if k in self.pending else bucket.launch()
+        with torch.enable_grad():
+            fulls = _GatherBucket.apply(bucket, flat, *self.shards[k])
+        if k not in self.kept:  # else autograd keeps them: no backward re-gather
+            for pos, full in enumerate(fulls):
+                register(full, _Saved(bucket, pos))
+        for j in [j for j in self.live if j not in self.kept]:
+            del self.live[j]
+        self.live[k] = fulls
+        if k + 1 < len(self.buckets) and k + 1 not in self.pending:
+            self.pending[k + 1] = self.buckets[k + 1].launch()  # prefetch: it gathers while this bucket computes
+        return fulls
 
 
 def settle(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:

@@ -7,7 +7,8 @@ for the bucket's all-gather, assemble it, launch the next bucket's), and the op 
 owner keeps only the buckets in use, so a block's gathered weights are freed once the loss moves
 on to the next block (autograd saves them as re-gather handles, never the weights themselves),
 as FSDP2's post-forward reshard. Metadata (``shape``, ``dtype``, ``ndim``, ...) is answered by the
-placeholder itself.
+placeholder itself. Code that branches on a tensor's type before operating on it calls
+:func:`resolve` first (``shardings.einsum``, ``constrain``, the vocab-parallel embedding do).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["Lazy"]
+__all__ = ["Lazy", "resolve"]
 
 # answered by the placeholder: its shape, dtype and device are the full parameter's (a view such as
 # ``.T``, or anything reading data, materializes it)
@@ -28,6 +29,12 @@ _METADATA = {
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
 }
+
+
+def resolve(x: Any) -> Any:
+    """``x``, or the real tensor when it is a placeholder: for code that inspects a tensor's type
+    (``isinstance(x, DTensor)``) before any operation would materialize it."""
+    return x.owner.materialize(x.bucket)[x.pos] if isinstance(x, Lazy) else x
 
 
 class Owner(Protocol):
@@ -57,8 +64,7 @@ class Lazy(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        real = lambda t: t.owner.materialize(t.bucket)[t.pos]
-        args, kwargs = tree_map_only(Lazy, real, (args, kwargs))
+        args, kwargs = tree_map_only(Lazy, resolve, (args, kwargs))
         return func(*args, **kwargs)
 
     @classmethod

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
+from shardings.lazy_params import resolve
 from shardings.lower import from_placements, mesh_of, to_placements
 from shardings.mesh import Mesh, P
 
@@ -71,6 +72,7 @@ def einsum(*tensors_and_pattern: torch.Tensor | str) -> torch.Tensor:
     P(None, None, 'tp')
     """
     *operands, pattern = tensors_and_pattern
+    operands = [resolve(x) for x in operands]  # a ZeRO-3 placeholder: gathered now
     if any(isinstance(x, DTensor) for x in operands):
         plan = _plan_for(pattern, operands)
         if plan is not None:

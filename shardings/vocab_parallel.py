@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardings import flat_comm as fc
+from shardings.lazy_params import resolve
 
 __all__ = ["embedding", "logsumexp", "nll"]
 
@@ -43,6 +44,7 @@ def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     >>> embedding(torch.tensor([[2, 0]]), torch.eye(3)).tolist()
     [[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]]
     """
+    weight = resolve(weight)  # a ZeRO-3 placeholder: gathered now
     if isinstance(weight, DTensor) and _an_empty_block(weight, 0):
         rows = [Replicate() if p.is_shard(0) else p for p in weight.placements]
         weight = weight.redistribute(weight.device_mesh, rows)  # DTensor's masked lookup needs >= 1 row per rank
