@@ -8,7 +8,7 @@ owner keeps only the buckets in use, so a block's gathered weights are freed onc
 on to the next block (autograd saves them as re-gather handles, never the weights themselves),
 as FSDP2's post-forward reshard. Metadata (``shape``, ``dtype``, ``ndim``, ...) is answered by the
 placeholder itself. Code that branches on a tensor's type before operating on it calls
-:func:`resolve` first (``shardings.einsum``, ``constrain``, the vocab-parallel embedding do).
+:func:`resolve` first (``shardings.einsum``, ``constrain``, ``shard_map``, the vocab-parallel embedding do).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from core import tree
 from shardings.axis_comm import bind_mesh
 from shardings.errors import sharding_error
+from shardings.lazy_params import resolve
 from shardings.lower import on_mesh, to_placements
 from shardings.mesh import Mesh, P
 
@@ -95,6 +96,7 @@ def _check_divisible(shape: Sequence[int], spec: P, mesh: Mesh, path: str) -> No
 
 def _local_block(x: Any, spec: P | None, mesh: Mesh, path: str) -> Any:
     """The block of ``x`` this rank holds under ``spec``; its gradient comes back as a DTensor."""
+    x = resolve(x)  # a ZeRO-3 placeholder: gathered now
     if not isinstance(x, torch.Tensor):
         return x
     dm = mesh.device_mesh

@@ -189,3 +189,12 @@ def test_zero3_gathers_each_block_when_the_loss_first_uses_it_and_frees_it_after
                                     axes={"blocks": [("embed", None)] * 3}, token_count=lambda b: b["x"].shape[0])
         step(sharded, step.init(sharded), batch)
     assert seen == [(True, 0), (True, 0), (True, 0)]
+
+
+@pytest.mark.parametrize(("layout", "mesh"), [("zero3", Mesh(dp=2)), ("zero3+tp+sp", Mesh(dp=2, tp=2))])
+def test_zero3_gathered_on_first_use_under_remat_matches_the_reference(layout, mesh):
+    # remat recomputes a block in backward, after its gathered weights were dropped: they are gathered again
+    cfg = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8, remat=True)
+    report = check_equivalence(gpt.init, gpt.loss, gpt.axes, cfg, gpt.example_batch(cfg, 4), layouts=[layout],
+                               mesh=mesh, steps=2)
+    assert report.ok
