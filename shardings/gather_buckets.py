@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import flat_comm as fc
 from shardings.gather_params import register, to_compute
-from shardings.lazy_params import Lazy
+from shardings.lazy_params import Gathers
 
 __all__ = ["gather"]
 
@@ -57,40 +57,18 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
     saved_order: list[_Bucket] = []  # buckets in the order autograd first saved one of their weights
     buckets = [_Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
                        [shards[i].detach() for i in b], saved_order) for b in bucketed]
-    forward = _Forward(buckets, [[shards[i] for i in b] for b in bucketed], kept)
-    for k, b in enumerate(bucketed):
-        for pos, i in enumerate(b):
-            out[i] = forward.materialize(k)[pos] if torch.compiler.is_compiling() else Lazy(shards[i], shards[i].shape,
-                                                                                            forward, k, pos)
-    return out
 
-
-class _Forward:
-    """The forward's gathers, on first use (:mod:`shardings.lazy_params`), the next bucket's in flight; a
-    block's weights are dropped when the next block's are needed (as on the local path)."""
-
-    def __init__(self, buckets: list[_Bucket], shards: list[list[DTensor]], kept: tuple[int, ...]):
-        self.buckets, self.shards, self.kept = buckets, shards, kept
-        self.pending = {k: buckets[k].launch() for k in range(min(2, len(buckets)))}
-        self.live: dict[int, tuple[DTensor, ...]] = {}
-
-    def materialize(self, k: int) -> tuple[DTensor, ...]:
-        got = self.live.get(k)
-        if got is not None:
-            return got
-        bucket = self.buckets[k]
-        flat = self.pending.pop(k) if k in self.pending else bucket.launch()
-        with torch.enable_grad():
-            fulls = _GatherBucket.apply(bucket, flat, *self.shards[k])
-        if k not in self.kept:  # else autograd keeps them: no backward re-gather
+    def build(k: int, flat: torch.Tensor) -> tuple[DTensor, ...]:
+        fulls = _GatherBucket.apply(buckets[k], flat, *(shards[i] for i in bucketed[k]))
+        if k not in kept:  # else autograd keeps them: no backward re-gather
             for pos, full in enumerate(fulls):
-                register(full, _Saved(bucket, pos))
-        for j in [j for j in self.live if j not in self.kept]:
-            del self.live[j]
-        self.live[k] = fulls
-        if k + 1 < len(self.buckets) and k + 1 not in self.pending:
-            self.pending[k + 1] = self.buckets[k + 1].launch()  # prefetch: it gathers while this bucket computes
+                register(full, _Saved(buckets[k], pos))
         return fulls
+
+    forward = Gathers(len(buckets), kept, lambda k: buckets[k].launch(), build)
+    for i, x in forward.placeholders(bucketed, shards, lambda i: shards[i].shape).items():
+        out[i] = x
+    return out
 
 
 def settle(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:

@@ -36,7 +36,7 @@ from core import optim, tree
 from core.optim.fused import fusable
 from shardings import flat_comm as fc
 from shardings.layouts import LOGICAL_NAMES, Layout
-from shardings.lazy_params import Lazy
+from shardings.lazy_params import Gathers
 from shardings.mesh import Mesh
 from shardings.rules import logical_to_spec
 
@@ -124,39 +124,19 @@ class _Gathered:
         self.full: dict[int, weakref.ref] = {}  # id(full tensor) -> (ref, bucket, position)
         self.cache: dict[int, Any] = {}  # bucket -> gathered flat (re-gathered in backward)
         self.backward_order: list[int] = []
-        self.pending: dict[int, torch.Tensor] = {}  # bucket -> forward all-gather in flight
-        self.live: dict[int, list[torch.Tensor]] = {}  # bucket -> its full tensors, while forward uses them
+        self.forward_gathers = Gathers(len(lp.gathers), lp.kept, self._launch, self._build)
 
     def forward(self) -> dict[int, torch.Tensor]:
-        """Leaf index -> its full parameter: a :class:`~shardings.lazy_params.Lazy` placeholder, gathered
-        (with its bucket) when the loss first uses it; the next bucket's gather is then launched."""
-        lp, out = self.lp, {}
-        for k in range(min(2, len(lp.gathers))):
-            self.pending[k] = self._launch(k)
-        for k, b in enumerate(lp.gathers):
-            for pos, i in enumerate(b):
-                out[i] = (self.materialize(k)[pos] if torch.compiler.is_compiling()
-                          else Lazy(self.shards[i], _full_shape(self, i), self, k, pos))
-        return out
+        """Leaf index -> its full parameter: a placeholder gathered, with its bucket, when the loss first
+        uses it (:class:`~shardings.lazy_params.Gathers`)."""
+        return self.forward_gathers.placeholders(self.lp.gathers, self.shards, lambda i: _full_shape(self, i))
 
-    def materialize(self, k: int) -> list[torch.Tensor]:
-        """Bucket ``k``'s full tensors (autograd: their backward reduce-scatters); a block's are dropped
-        when the next block's are first needed, as FSDP2 reshards after a block's forward (used again
-        later, a bucket is gathered again: correct, one more collective)."""
-        got = self.live.get(k)
-        if got is not None:
-            return got
-        flat = self.pending.pop(k) if k in self.pending else self._launch(k)
+    def _build(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
         b = self.lp.gathers[k]
-        with torch.enable_grad():
-            fulls = list(_GatherBucket.apply(self, k, flat, *[self.shards[i] for i in b]))
+        fulls = list(_GatherBucket.apply(self, k, flat, *[self.shards[i] for i in b]))
         for pos, f in enumerate(fulls):
             for t in (f,) if f._base is None else (f, f._base):  # a one-leaf bucket's is a view of the gathered buffer
                 self.full[id(t)] = (weakref.ref(t), k, pos)
-        self.drop_blocks()
-        self.live[k] = fulls
-        if k + 1 < len(self.lp.gathers) and k + 1 not in self.live and k + 1 not in self.pending:
-            self.pending[k + 1] = self._launch(k + 1)  # prefetch: it gathers while this bucket computes
         return fulls
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -177,11 +157,6 @@ class _Gathered:
         if nxt < len(self.backward_order) and self.backward_order[nxt] not in self.cache:  # prefetch
             self.cache[self.backward_order[nxt]] = self._launch(self.backward_order[nxt])
         return full.as_strided(size, stride, offset)
-
-    def drop_blocks(self) -> None:
-        """Forget the gathered buckets autograd does not keep (freed unless an op still holds them)."""
-        for j in [j for j in self.live if j not in self.lp.kept]:
-            del self.live[j]
 
     def bucket(self, k: int) -> list[torch.Tensor]:
         got = self.cache.get(k)
@@ -273,13 +248,10 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
                 weight = torch.as_tensor(token_count(mb)).to(torch.float32) / total
                 loss = loss_fn(tree.unflatten(treedef, compute), mb) * weight
                 del compute
-                gathered.drop_blocks()  # forward is over: backward re-gathers them
+                gathered.forward_gathers.drop_blocks()  # forward is over: backward re-gathers them
             grads = torch.autograd.grad(loss, local, allow_unused=True)
         finally:
-            gathered.live.clear()  # the root's fulls (a cycle through their autograd nodes otherwise)
-            for flat in gathered.pending.values():  # a prefetch the loss never used (an unused block)
-                fc.wait(flat)
-            gathered.pending.clear()
+            gathered.forward_gathers.close()
             for h in hooks:
                 h.remove()
         loss_sum = loss_sum + loss.detach().float()

@@ -88,7 +88,7 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     x = logits.float()
     if not isinstance(x, DTensor):
-        return _BlockNll.apply(x, labels, x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1, None)
+        return _BlockNll.apply(x, labels, _vocab_ids(x), None)
     if isinstance(labels, DTensor):
         vocab_dims = tuple(m for m, p in enumerate(x.placements) if p.is_shard(x.ndim - 1))
         blocks = math.prod(x.device_mesh.size(m) for m in vocab_dims)
@@ -97,7 +97,7 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             dm = x.device_mesh
             out = tuple(Replicate() if m in vocab_dims else p for m, p in enumerate(x.placements))
             labels = labels if tuple(labels.placements) == out else labels.redistribute(dm, out)
-            ids = x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1  # global vocab ids, replicated
+            ids = _vocab_ids(x)  # replicated
             split = [Shard(0) if m in vocab_dims else Replicate() for m in range(len(out))]
             ids = ids.redistribute(dm, split)  # each rank's block of them: a slice, no communication
             like = torch.empty(x.shape[:-1], device="meta")
@@ -105,9 +105,13 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             reduce = functools.partial(_all_reduce, dm, pending, out, like)
             local = _BlockNll.apply(x.to_local(grad_placements=x.placements), labels.to_local(), ids.to_local(), reduce)
             return DTensor.from_local(local, dm, out, run_check=False, shape=like.shape, stride=like.stride())
-    hits = labels[..., None] == x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1  # (..., vocab) one-hot
-    target = (x * hits).sum(-1)
-    return logsumexp(x, dim=-1) - (_reduced(target) if isinstance(target, DTensor) else target)
+    hits = labels[..., None] == _vocab_ids(x)  # (..., vocab) one-hot: uneven vocab blocks, Partial logits
+    return logsumexp(x, dim=-1) - _reduced((x * hits).sum(-1))
+
+
+def _vocab_ids(x: torch.Tensor) -> torch.Tensor:
+    """``arange(vocab)`` of the kind of ``x``: a replicated DTensor beside a DTensor (which refuses a plain one)."""
+    return x.new_ones(x.shape[-1], dtype=torch.int64).cumsum(0) - 1
 
 
 def _all_reduce(dm: Any, pending: tuple, out: tuple, like: torch.Tensor, local: torch.Tensor, op: str) -> torch.Tensor:
