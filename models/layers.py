@@ -16,11 +16,13 @@ so converted checkpoints match its logits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from shardings import attention as layout_attention
-from shardings import constrain, einsum
+from shardings import blockwise, constrain, einsum
 from shardings.vocab_parallel import embedding, nll
 
 __all__ = [
@@ -52,6 +54,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     >>> round(rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), eps=0.0).pow(2).mean().item(), 4)
     1.0
     """
+    return blockwise(functools.partial(_rms_norm, eps=eps), x, weight, whole=(-1,))  # local rows under a layout
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -73,9 +79,13 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     >>> torch.allclose(y[:, 0], torch.ones(1, 2, 4))  # position 0 is not rotated
     True
     """
+    if x.shape[-1] % 2:
+        raise ValueError(f"rope: head_dim must be even, got {x.shape[-1]}. Fix: pick an even head_dim.")
+    return blockwise(functools.partial(_rope, theta=theta), x, whole=(1, -1))  # positions need the whole seq
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     seq, head_dim = x.shape[1], x.shape[-1]
-    if head_dim % 2:
-        raise ValueError(f"rope: head_dim must be even, got {head_dim}. Fix: pick an even head_dim.")
     inv_freq = 1.0 / (theta ** (arange_like(x, head_dim // 2).float() * 2 / head_dim))  # (head_dim/2,)
     freqs = arange_like(x, seq).float()[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
     angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (seq, 1, head_dim): broadcast over heads

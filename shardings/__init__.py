@@ -2,6 +2,7 @@
 
 from shardings import checkpoint, layouts, testing
 from shardings.accounting import Comms, comms, memory
+from shardings.blockwise import blockwise
 from shardings.collectives import all_gather, all_to_all, axis_index, axis_size, pmean, ppermute, psum, psum_scatter
 from shardings.context import constrain, current, use
 from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
@@ -32,6 +33,7 @@ __all__ = [
     "attention",
     "axis_index",
     "axis_size",
+    "blockwise",
     "checkpoint",
     "comms",
     "constrain",

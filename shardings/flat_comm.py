@@ -9,6 +9,7 @@ resolves them.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -19,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import SequenceKey
 
-__all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "launch_gather", "launch_reduce", "split_reduced",
-           "unit_buckets", "unit_of", "wait"]
+__all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "from_block", "launch_gather", "launch_reduce",
+           "split_reduced", "unit_buckets", "unit_of", "wait"]
 
 ShardAt = tuple[int, int] | None  # (device-mesh dim, tensor dim) a leaf is split on, or None: replicated
 Buckets = tuple[tuple[int, ...], ...]  # leaf indices, bucket by bucket
@@ -71,9 +72,22 @@ def buckets(order: list[int], params: Sequence[torch.Tensor], key: Callable, buc
 def dtensor(local: torch.Tensor, dm: Any, placements: Sequence[Any], like: torch.Tensor) -> DTensor:
     """``DTensor.from_local(local, dm, placements, shape=like.shape, stride=like.stride())`` without its
     autograd node and argument checks (~0.15 ms each, for every param, grad and state leaf per step):
-    the plan already knows the layout is consistent."""
-    meta = TensorMeta(like.shape, like.stride(), local.dtype)
-    return DTensor(local, DTensorSpec(dm, tuple(placements), tensor_meta=meta), requires_grad=False)
+    the plan already knows the layout is consistent. Also for use inside an autograd function."""
+    return from_block(local, dm, placements, like.shape, like.stride())
+
+
+def from_block(local: torch.Tensor, dm: Any, placements: Sequence[Any], shape: Sequence[int],
+               stride: Sequence[int]) -> DTensor:
+    """:func:`dtensor` given the global ``shape`` and ``stride``."""
+    spec = _spec(dm, tuple(placements), torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, spec, requires_grad=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec(dm: Any, placements: tuple[Any, ...], shape: torch.Size, stride: tuple[int, ...], dtype: Any) -> DTensorSpec:
+    # Shared, never mutated: building a spec (its shard order and hash bookkeeping) costs more than the
+    # small ops it describes, and a step rebuilds the same few hundred layouts.
+    return DTensorSpec(dm, placements, tensor_meta=TensorMeta(shape, stride, dtype))
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,9 @@ import einops
 import torch
 from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
+from shardings.flat_comm import from_block
 from shardings.lazy_params import resolve
 from shardings.lower import from_placements, mesh_of, to_placements
 from shardings.mesh import Mesh, P
@@ -93,7 +93,7 @@ class _LocalEinsum(torch.autograd.Function):
         ctx.pattern, ctx.plan = pattern, plan
         ctx.save_for_backward(*operands)
         out = _einsum_per_rank(pattern, *(x.to_local() for x in operands))
-        return _wrap(out, operands[0].device_mesh, plan.out_placements, plan.out_shape)
+        return wrap_block(out, operands[0].device_mesh, plan.out_placements, plan.out_shape)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor | None, ...]:
@@ -116,7 +116,7 @@ class _LocalEinsum(torch.autograd.Function):
             if len(kept) < len(letters):
                 sizes = {k: n for k, n in zip(letters, blocks[i].shape) if k not in seen}
                 local = einops.repeat(local, f"{' '.join(kept)} -> {' '.join(letters)}", **sizes)
-            grads.append(_wrap(local, x.device_mesh, plan.grad_placements[i], tuple(x.shape)))
+            grads.append(wrap_block(local, x.device_mesh, plan.grad_placements[i], tuple(x.shape)))
         return None, None, *grads
 
 
@@ -131,11 +131,12 @@ def _einsum_per_rank(pattern: str, *blocks: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _wrap(local: torch.Tensor, device_mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> DTensor:
-    # The DTensor constructor, not from_local: inside forward/backward no autograd node is wanted, and
-    # from_local's checks and node cost ~0.15 ms per call (several calls per matmul per step).
-    meta = TensorMeta(torch.Size(shape), _global_stride(local, shape), local.dtype)
-    return DTensor(local, DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+def wrap_block(
+    local: torch.Tensor, device_mesh: Any, placements: tuple[Placement, ...], shape: tuple[int, ...]
+) -> DTensor:
+    """A DTensor of global ``shape`` whose block on this rank is ``local`` (in its memory order), with no
+    autograd node: for use inside an autograd function's forward or backward."""
+    return from_block(local, device_mesh, placements, shape, _global_stride(local, shape))
 
 
 def _global_stride(local: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:

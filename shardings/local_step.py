@@ -333,20 +333,27 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
     return out, new_state
 
 
-def global_norm(lp: LocalPlan, mesh: Mesh, grads: Sequence[DTensor]) -> torch.Tensor:
-    """The L2 norm of reduced gradients (in the plan's target layout) as a plain 0-d tensor.
+def global_norm(mesh: Mesh, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The L2 norm of reduced gradients (DTensors split or replicated, none ``Partial``) as a plain 0-d
+    tensor, or ``None`` when a gradient is not such a DTensor.
 
-    Local blocks are normed with foreach kernels (``core.optim.global_norm``); sums of squares of
-    blocks split over a mesh dim are all-reduced over it: one scalar collective per such dim.
+    Local blocks are normed with foreach kernels (``core.optim.global_norm``); the sums of squares of
+    the blocks split over the same mesh dims are all-reduced over those: a few scalar collectives,
+    and no DTensor op per leaf.
 
-    >>> global_norm(lp, mesh, tree.leaves(grads))  # doctest: +SKIP
+    >>> global_norm(mesh, tree.leaves(grads))  # doctest: +SKIP
     tensor(1.2345)
     """
-    by_dim: dict[int | None, list[torch.Tensor]] = {}
-    for g, t in zip(grads, lp.target):
-        by_dim.setdefault(t[0] if t else None, []).append(g.to_local())
+    by_dims: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for g in grads:
+        if not isinstance(g, DTensor) or any(p.is_partial() for p in g.placements):
+            return None
+        dims = tuple(m for m, p in enumerate(g.placements) if p.is_shard() and mesh.device_mesh.size(m) > 1)
+        by_dims.setdefault(dims, []).append(g.to_local())
     total = torch.zeros(())
-    for m, blocks in by_dim.items():
+    for dims, blocks in by_dims.items():
         sq = optim.global_norm(blocks).square()
-        total = total + (sq if m is None else fc.wait(funcol.all_reduce(sq, "sum", mesh.device_mesh.get_group(m))))
+        for m in dims:
+            sq = fc.wait(funcol.all_reduce(sq, "sum", mesh.device_mesh.get_group(m)))
+        total = total + sq
     return total.sqrt()

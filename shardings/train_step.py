@@ -206,9 +206,8 @@ class TrainStep:
 
     # -- pieces -----------------------------------------------------------------------------------
     def _grad_norm(self, grads: Any) -> torch.Tensor:
-        if self._plan.local is not None:  # local blocks, a scalar all-reduce per split mesh dim
-            return local_step.global_norm(self._plan.local, self.mesh, tree.leaves(grads))
-        return core.optim.global_norm(grads)
+        norm = local_step.global_norm(self.mesh, tree.leaves(grads))  # local blocks, a few scalar all-reduces
+        return core.optim.global_norm(grads) if norm is None else norm
 
     def _reduce_in_backward(self) -> list[bool]:
         # A sharded grads role: reduce each gradient as backward produces it (ZeRO-2/3 memory).

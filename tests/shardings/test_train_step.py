@@ -72,6 +72,24 @@ def test_a_rank_dependent_model_fails_equivalence_naming_the_path():
                           mesh=Mesh(dp=2), steps=1, local=False)
 
 
+@pytest.mark.parametrize(("layout", "mesh", "local"), [
+    ("dp", Mesh(dp=4), True), ("zero3", Mesh(dp=4), False), ("hsdp", Mesh(dp=2, fsdp=2), True),
+    ("tp", Mesh(tp=2), False), ("zero3+tp+sp", Mesh(dp=2, tp=2), False),
+])
+def test_the_grad_norm_metric_is_the_norm_of_the_single_device_gradients(layout, mesh, local):
+    """Norms of local blocks, summed over the mesh dims that split them: nothing counted twice or missed."""
+    batch = gpt.example_batch(CFG, 4, with_ignored=True)
+    params = gpt.init(core.random.key(0), CFG)
+    leaves = [p.requires_grad_(True) for p in tree.leaves(params)]
+    want = core.optim.global_norm(torch.autograd.grad(gpt.loss(params, batch, CFG), leaves))
+    with shardings.simulate(mesh.size):
+        sharded = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.sgd(0.1), layout=layout,
+                                    mesh=mesh, local=local)
+        _, _, metrics = step(sharded, step.init(sharded), batch)
+    assert metrics["grad_norm"] == pytest.approx(float(want), rel=1e-5)
+
+
 # -- collectives: kinds, counts, axes and bytes of one step (DESIGN §4/§6) ----------------------------------
 
 
