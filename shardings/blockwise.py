@@ -9,9 +9,9 @@ exactly the computation DTensor would run on each block, so values do not change
 
 Gradients follow DTensor's own rules: an argument laid out like ``x`` gets its gradient laid out
 the same way; a replicated argument (a norm weight) that met a sharded ``x`` saw only this rank's
-rows, so its gradient is ``Partial`` over the axes that split ``x``. Backward recomputes the
-function on the blocks (it is cheap next to the matmuls around it), so only the DTensor inputs are
-saved: fewer saved activations, and ZeRO-3's saved-tensor hooks see a gathered weight as itself.
+rows, so its gradient is ``Partial`` over the axes that split ``x``. With such arguments backward
+recomputes the function on the blocks, so only the DTensor inputs are saved and ZeRO-3's
+saved-tensor hooks see a gathered weight as itself.
 """
 
 from __future__ import annotations
@@ -65,16 +65,26 @@ def blockwise(
 
 
 class _Blockwise(torch.autograd.Function):
-    """``f`` on the local blocks; backward recomputes it there and differentiates the blocks."""
+    """``f`` on the local blocks; backward differentiates ``f``'s local graph.
+
+    With ``x`` alone that graph is kept from forward: what it saves derives from this rank's block.
+    With more inputs (weights, maybe ZeRO-3 gathered ones) only the DTensor inputs are saved, so the
+    saved-tensor hooks see a gathered weight as itself, and backward rebuilds the graph by recomputing
+    ``f`` (cheap next to the matmuls around it).
+    """
 
     @staticmethod
     def forward(
         ctx: Any, f: Callable[..., torch.Tensor], grads: list[tuple[Placement, ...]], *inputs: DTensor
     ) -> DTensor:
-        ctx.f, ctx.grads = f, grads
-        ctx.save_for_backward(*inputs)
-        x = inputs[0]
-        out = f(*(t._local_tensor for t in inputs))
+        x, needs = inputs[0], ctx.needs_input_grad[2:]
+        ctx.f, ctx.layouts = f, [(t.device_mesh, p, tuple(t.shape)) for t, p in zip(inputs, (x.placements, *grads))]
+        ctx.graph = _local_graph(f, inputs, needs) if len(inputs) == 1 else None
+        if ctx.graph is None:
+            ctx.save_for_backward(*inputs)
+            out = f(*(t._local_tensor for t in inputs))
+        else:
+            out = ctx.graph[1].detach()
         if out.shape != x._local_tensor.shape:
             raise ValueError(
                 f"blockwise: f returned a block of shape {tuple(out.shape)} for an input block of shape "
@@ -85,25 +95,28 @@ class _Blockwise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor | None, ...]:
-        inputs = ctx.saved_tensors
-        x = inputs[0]
-        if tuple(grad.placements) != tuple(x.placements):
-            grad = grad.redistribute(x.device_mesh, x.placements)
         needs = ctx.needs_input_grad[2:]
-        with torch.enable_grad():
-            blocks = [t._local_tensor.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-            out = ctx.f(*blocks)
-            wanted = [b for b in blocks if b.requires_grad]
-            local = iter(torch.autograd.grad(out, wanted, grad._local_tensor) if wanted else ())
-        placements = (x.placements, *ctx.grads)
+        blocks, out = ctx.graph or _local_graph(ctx.f, ctx.saved_tensors, needs)
+        ctx.graph = None
+        mesh, placements, _ = ctx.layouts[0]
+        if tuple(grad.placements) != tuple(placements):
+            grad = grad.redistribute(mesh, placements)
+        wanted = [b for b in blocks if b.requires_grad]
+        local = iter(torch.autograd.grad(out, wanted, grad._local_tensor) if wanted else ())
         return (
             None,
             None,
-            *(
-                wrap_block(next(local), t.device_mesh, p, tuple(t.shape)) if need else None
-                for t, p, need in zip(inputs, placements, needs)
-            ),
+            *(wrap_block(next(local), *layout) if need else None for layout, need in zip(ctx.layouts, needs)),
         )
+
+
+def _local_graph(
+    f: Callable[..., torch.Tensor], inputs: tuple[DTensor, ...], needs: tuple[bool, ...]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``f`` on fresh leaves of the inputs' local blocks, recorded by autograd: ``(leaves, output)``."""
+    with torch.enable_grad():
+        blocks = [t._local_tensor.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+        return blocks, f(*blocks)
 
 
 def _grad_placements(x: Any, args: tuple[Any, ...], whole: tuple[int, ...]) -> list[tuple[Placement, ...]] | None:

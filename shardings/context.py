@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -86,8 +87,7 @@ def current() -> Context | None:
     return _CURRENT.get()
 
 
-def _spec_for(x: torch.Tensor, names_or_spec: P | Sequence[str | None], ctx: Context) -> P:
-    shape = tuple(x.shape)
+def _spec_for(shape: tuple[int, ...], names_or_spec: P | Sequence[str | None], ctx: Context) -> P:
     if isinstance(names_or_spec, P):
         return names_or_spec  # checked against the mesh and shape by to_placements
     if isinstance(names_or_spec, Sequence) and not isinstance(names_or_spec, str) and len(names_or_spec) != len(shape):
@@ -99,6 +99,14 @@ def _spec_for(x: torch.Tensor, names_or_spec: P | Sequence[str | None], ctx: Con
             mesh=ctx.mesh,
         )
     return logical_to_spec(names_or_spec, ctx.rules, ctx.mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(ctx: Context, is_spec: bool, names_or_spec: tuple, shape: tuple[int, ...]) -> tuple[P, tuple]:
+    """The spec and placements ``constrain`` lays a ``shape`` tensor out to; computed once per model
+    annotation (``is_spec`` keeps a ``P`` apart from an equal tuple of logical names)."""
+    spec = _spec_for(shape, names_or_spec, ctx)
+    return spec, to_placements(spec, ctx.mesh, shape)
 
 
 def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch.Tensor:
@@ -130,8 +138,13 @@ def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch
     if ctx is None:
         return x
     x = resolve(x)  # a ZeRO-3 placeholder: gathered now
-    spec = _spec_for(x, names_or_spec, ctx)
-    placements = to_placements(spec, ctx.mesh, tuple(x.shape))
+    shape = tuple(x.shape)
+    if isinstance(names_or_spec, P | tuple | list):
+        is_spec = isinstance(names_or_spec, P)
+        spec, placements = _layout(ctx, is_spec, names_or_spec if is_spec else tuple(names_or_spec), shape)
+    else:  # not a spec or names: _spec_for says what is wrong
+        spec = _spec_for(shape, names_or_spec, ctx)
+        placements = to_placements(spec, ctx.mesh, shape)
     x = on_mesh(
         x, ctx.mesh, what="the tensor passed to constrain", spec=spec,
         fix="constrain tensors of the active mesh only, or activate the tensor's mesh with shardings.use",

@@ -259,10 +259,14 @@ class _Constrain(torch.autograd.Function):
     def forward(ctx: Any, x: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         ctx.mesh = x.device_mesh
         ctx.grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+        if tuple(x.placements) == placements:  # an alias: still a node, whose backward lays the gradient out
+            return DTensor(x._local_tensor, x._spec, requires_grad=False)
         return x.redistribute(x.device_mesh, placements)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
+        if tuple(grad.placements) == ctx.grad_placements:
+            return grad, None
         return grad.redistribute(ctx.mesh, ctx.grad_placements), None
 
 
