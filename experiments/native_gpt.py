@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import models.gpt as gpt
-from models.layers import attention, cross_entropy, rms_norm, rope
+from models import layers
+from models.layers import attention, cross_entropy
 from shardings.errors import sharding_error
 
 __all__ = ["NativeGpt", "from_params", "parallelize", "to_params", "tp_plan"]
@@ -56,14 +57,18 @@ _TOP = {
 
 
 class RMSNorm(nn.Module):
-    """``models.layers.rms_norm`` with its weight as a parameter."""
+    """``models.layers.rms_norm``'s math with its weight as a parameter.
+
+    The plain math, as torch's own modules run it (DTensor ops under SequenceParallel): shardlab's
+    ``rms_norm`` would run on local blocks (``shardings.blockwise``), which this side must not get for free.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return layers._rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -81,7 +86,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under TP the projections return this rank's heads only: (batch, seq, heads/tp · head_dim).
         q, k, v = (einops.rearrange(w(x), "b s (h d) -> b s h d", d=self.d_head) for w in (self.wq, self.wk, self.wv))
-        out = attention(rope(q, self.theta), rope(k, self.theta), v)  # (batch, seq, heads, head_dim)
+        out = attention(layers._rope(q, self.theta), layers._rope(k, self.theta), v)  # (batch, seq, heads, head_dim)
         return self.wo(einops.rearrange(out, "b s h d -> b s (h d)"))
 
 

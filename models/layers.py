@@ -81,14 +81,17 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """
     if x.shape[-1] % 2:
         raise ValueError(f"rope: head_dim must be even, got {x.shape[-1]}. Fix: pick an even head_dim.")
-    return blockwise(functools.partial(_rope, theta=theta), x, whole=(1, -1))  # positions need the whole seq
+    # Positions need the whole seq. A rotation's transpose is the rotation back: nothing saved for backward.
+    rotate, back = (functools.partial(_rope, theta=theta, inverse=i) for i in (False, True))
+    return blockwise(rotate, x, whole=(1, -1), transpose=back)
 
 
-def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+def _rope(x: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
     seq, head_dim = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (arange_like(x, head_dim // 2).float() * 2 / head_dim))  # (head_dim/2,)
     freqs = arange_like(x, seq).float()[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
     angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (seq, 1, head_dim): broadcast over heads
+    angles = -angles if inverse else angles
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 

@@ -9,9 +9,10 @@ exactly the computation DTensor would run on each block, so values do not change
 
 Gradients follow DTensor's own rules: an argument laid out like ``x`` gets its gradient laid out
 the same way; a replicated argument (a norm weight) that met a sharded ``x`` saw only this rank's
-rows, so its gradient is ``Partial`` over the axes that split ``x``. With such arguments backward
-recomputes the function on the blocks, so only the DTensor inputs are saved and ZeRO-3's
-saved-tensor hooks see a gathered weight as itself.
+rows, so its gradient is ``Partial`` over the axes that split ``x``. Backward recomputes the function
+on the blocks (cheap next to the matmuls around it), so only the DTensor inputs are saved and
+ZeRO-3's saved-tensor hooks see a gathered weight as itself; a linear function (RoPE) may give its
+transpose instead, and then nothing is saved.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ __all__ = ["blockwise"]
 
 
 def blockwise(
-    f: Callable[..., torch.Tensor], x: torch.Tensor, *args: torch.Tensor, whole: tuple[int, ...]
+    f: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    *args: torch.Tensor,
+    whole: tuple[int, ...],
+    transpose: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``f(x, *args)``, computed on each rank's local blocks when the layouts allow it.
 
@@ -45,46 +50,46 @@ def blockwise(
         x: the input that decides the layout of the result.
         *args: more inputs: blocks laid out like ``x``, or replicated tensors (weights).
         whole: the dims of ``x`` that ``f`` mixes (reduces over, or indexes by position).
+        transpose: for an ``f`` linear in ``x`` (and no ``args``), its transpose on a block: the
+            gradient of ``x`` from the output's. Backward then saves and recomputes nothing.
 
     Returns:
         ``f(x, *args)``: a DTensor laid out like ``x`` on the local path.
 
     Raises:
-        ValueError: on the local path, ``f`` returned a block of another shape than ``x``'s.
+        ValueError: on the local path, ``f`` returned a block of another shape than ``x``'s;
+            ``transpose`` given with ``args``.
 
     >>> with simulate(2):
     ...     x = shard(torch.randn(4, 8), P("dp"), Mesh(dp=2))
     ...     spec_of(blockwise(lambda t: t.softmax(-1), x, whole=(-1,)))
     P('dp')
     """
+    if transpose is not None and args:
+        raise ValueError(
+            f"blockwise: transpose is for a function of x alone, but {len(args)} more inputs were given. Fix: "
+            "drop transpose (backward then recomputes f), or pass only x."
+        )
     x, args = resolve(x), tuple(resolve(a) for a in args)  # ZeRO-3 placeholders: gathered now
     grads = _grad_placements(x, args, whole)
     if grads is None:
         return f(x, *args)
-    return _Blockwise.apply(f, grads, x, *args)
+    return _Blockwise.apply(f, transpose, grads, x, *args)
 
 
 class _Blockwise(torch.autograd.Function):
-    """``f`` on the local blocks; backward differentiates ``f``'s local graph.
-
-    With ``x`` alone that graph is kept from forward: what it saves derives from this rank's block.
-    With more inputs (weights, maybe ZeRO-3 gathered ones) only the DTensor inputs are saved, so the
-    saved-tensor hooks see a gathered weight as itself, and backward rebuilds the graph by recomputing
-    ``f`` (cheap next to the matmuls around it).
-    """
+    """``f`` on the local blocks. Backward applies ``transpose`` to the cotangent block, or recomputes
+    ``f`` on the saved inputs' blocks and differentiates that: only the DTensor inputs are saved, so
+    ZeRO-3's saved-tensor hooks see a gathered weight as itself."""
 
     @staticmethod
-    def forward(
-        ctx: Any, f: Callable[..., torch.Tensor], grads: list[tuple[Placement, ...]], *inputs: DTensor
-    ) -> DTensor:
-        x, needs = inputs[0], ctx.needs_input_grad[2:]
-        ctx.f, ctx.layouts = f, [(t.device_mesh, p, tuple(t.shape)) for t, p in zip(inputs, (x.placements, *grads))]
-        ctx.graph = _local_graph(f, inputs, needs) if len(inputs) == 1 else None
-        if ctx.graph is None:
+    def forward(ctx: Any, f: Callable, transpose: Callable | None, grads: list, *inputs: DTensor) -> DTensor:
+        x = inputs[0]
+        ctx.f, ctx.transpose = f, transpose
+        ctx.layouts = [(t.device_mesh, p, tuple(t.shape)) for t, p in zip(inputs, (x.placements, *grads))]
+        if transpose is None:
             ctx.save_for_backward(*inputs)
-            out = f(*(t._local_tensor for t in inputs))
-        else:
-            out = ctx.graph[1].detach()
+        out = f(*(t._local_tensor for t in inputs))
         if out.shape != x._local_tensor.shape:
             raise ValueError(
                 f"blockwise: f returned a block of shape {tuple(out.shape)} for an input block of shape "
@@ -95,28 +100,20 @@ class _Blockwise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor | None, ...]:
-        needs = ctx.needs_input_grad[2:]
-        blocks, out = ctx.graph or _local_graph(ctx.f, ctx.saved_tensors, needs)
-        ctx.graph = None
         mesh, placements, _ = ctx.layouts[0]
         if tuple(grad.placements) != tuple(placements):
             grad = grad.redistribute(mesh, placements)
-        wanted = [b for b in blocks if b.requires_grad]
-        local = iter(torch.autograd.grad(out, wanted, grad._local_tensor) if wanted else ())
-        return (
-            None,
-            None,
-            *(wrap_block(next(local), *layout) if need else None for layout, need in zip(ctx.layouts, needs)),
-        )
-
-
-def _local_graph(
-    f: Callable[..., torch.Tensor], inputs: tuple[DTensor, ...], needs: tuple[bool, ...]
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``f`` on fresh leaves of the inputs' local blocks, recorded by autograd: ``(leaves, output)``."""
-    with torch.enable_grad():
-        blocks = [t._local_tensor.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-        return blocks, f(*blocks)
+        needs = ctx.needs_input_grad[3:]
+        if ctx.transpose is not None:
+            local = iter([ctx.transpose(grad._local_tensor)])
+        else:
+            with torch.enable_grad():
+                blocks = [t._local_tensor.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs)]
+                out = ctx.f(*blocks)
+                wanted = [b for b in blocks if b.requires_grad]
+                local = iter(torch.autograd.grad(out, wanted, grad._local_tensor) if wanted else ())
+        grads = (wrap_block(next(local), *layout) if need else None for layout, need in zip(ctx.layouts, needs))
+        return None, None, None, *grads
 
 
 def _grad_placements(x: Any, args: tuple[Any, ...], whole: tuple[int, ...]) -> list[tuple[Placement, ...]] | None:

@@ -24,18 +24,34 @@ def _by_position(x: torch.Tensor) -> torch.Tensor:
     return x * pos[:, None]
 
 
+def _rotate(x: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """Rotates the two halves of the last dim by an angle per position of dim 1 (RoPE's shape): linear in x,
+    its transpose the rotation back (``sign=-1``)."""
+    angle = sign * x.new_ones(x.shape[1]).cumsum(0)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), dim=-1)
+
+
+KINDS = {  # f, whole, weight?, transpose
+    "norm": (_norm, (-1,), True, None),
+    "position": (_by_position, (1,), False, None),
+    "rotation": (_rotate, (1, -1), False, lambda g: _rotate(g, -1.0)),
+}
+
+
 @st.composite
 def _cases(draw):
     mesh = draw(meshes(max_ranks=8, axis_names=("dp", "tp", "cp")))
-    shape = tuple(draw(st.integers(1, 3)) * draw(st.sampled_from([1, 2, 4])) for _ in range(3))
-    return mesh, torch.randn(shape), draw(specs(shape, mesh)), draw(st.sampled_from(["norm", "position"]))
+    shape = tuple(draw(st.integers(1, 3)) * draw(st.sampled_from([1, 2, 4])) for _ in range(2)) + (4,)
+    return mesh, torch.randn(shape), draw(specs(shape, mesh)), draw(st.sampled_from(sorted(KINDS)))
 
 
 @settings(max_examples=30)
 @given(_cases())
 def test_blockwise_equals_the_function_on_full_tensors_and_is_local_when_only_rows_are_split(case):
     mesh, full, spec, kind = case
-    f, whole, args = (_norm, (-1,), [torch.randn(full.shape[-1])]) if kind == "norm" else (_by_position, (1,), [])
+    f, whole, weighted, transpose = KINDS[kind]
+    args = [torch.randn(full.shape[-1])] if weighted else []
     leaves = [full.clone().requires_grad_(), *(a.clone().requires_grad_() for a in args)]
     want = f(*leaves)
     cotangent = torch.randn_like(want)
@@ -43,7 +59,7 @@ def test_blockwise_equals_the_function_on_full_tensors_and_is_local_when_only_ro
     with simulate(mesh.size):
         xs = [shard(full, spec, mesh).detach().requires_grad_(), *(shard(a, P(), mesh).requires_grad_() for a in args)]
         with comms() as forward:
-            out = blockwise(f, *xs, whole=whole)
+            out = blockwise(f, *xs, whole=whole, transpose=transpose)
         torch.testing.assert_close(unwrap(out.full_tensor()), want, **TOL)
         (out.full_tensor() * cotangent).sum().backward()
         for x, g in zip(xs, want_grads):
@@ -58,6 +74,11 @@ def test_blockwise_equals_the_function_on_full_tensors_and_is_local_when_only_ro
 def test_plain_tensors_are_the_function_itself():
     x, w = torch.randn(2, 3), torch.randn(3)
     assert torch.equal(blockwise(_norm, x, w, whole=(-1,)), _norm(x, w))
+
+
+def test_a_transpose_with_more_inputs_than_x_is_a_clear_error():
+    with pytest.raises(ValueError, match="transpose is for a function of x alone, but 1 more inputs"):
+        blockwise(_norm, torch.randn(2, 3), torch.randn(3), whole=(-1,), transpose=lambda g: g)
 
 
 def test_a_function_that_changes_the_block_shape_is_a_clear_error():
