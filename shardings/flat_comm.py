@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import SequenceKey
@@ -106,8 +107,17 @@ class Comm(NamedTuple):
 
 
 def launch_gather(comm: Comm, shards: list[torch.Tensor], at: tuple[int, int]) -> torch.Tensor:
-    flat = torch.cat([s.reshape(-1) for s in shards])
-    return funcol.all_gather_single(flat, 0, comm.group(at[0]))  # (n·L,), awaited on first use
+    """All-gather the ``shards``, flattened: ``(n·L,)``, awaited on first use (or by :func:`wait`)."""
+    group, flat = comm.group(at[0]), [s.reshape(-1) for s in shards]
+    if enabled_local_tensor_mode() is not None:  # simulated ranks gather at once: no input outlives the call
+        return funcol.all_gather_single(torch.cat(flat), 0, group)
+    # In place, as FSDP2: this rank's shards are copied into its slice of the output, which is the input.
+    # A separate input would stay alive while the gather is in flight (a prefetch: until the next block).
+    n, size = group.size(), sum(f.numel() for f in flat)
+    out = flat[0].new_empty(n * size)
+    mine = torch.cat(flat, out=out.narrow(0, group.rank() * size, size))
+    return funcol._maybe_wrap_tensor(
+        torch.ops._c10d_functional.all_gather_into_tensor_out(mine, n, group.group_name, out=out))
 
 
 def assemble(comm: Comm, gathered: torch.Tensor, shards: list[torch.Tensor], at: list) -> list[torch.Tensor]:
