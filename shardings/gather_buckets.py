@@ -39,11 +39,12 @@ __all__ = ["gather"]
 
 
 def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: float | None,
-           units: Sequence[Any] | None = None) -> list[DTensor]:
+           units: Sequence[Any] | None = None) -> tuple[list[DTensor], Gathers]:
     """``[to_compute(s, p) for s, p in zip(shards, placements)]`` with one all-gather per bucket
-    (buckets never mix ``units``: see ``local_step.plan``).
+    (buckets never mix ``units``: see ``local_step.plan``), and the owner of the forward gathers,
+    for :func:`settle` to close after backward.
 
-    >>> compute = gather(leaves, plan.placements["compute"], bucket_mb=25)  # doctest: +SKIP
+    >>> compute, gathers = gather(leaves, plan.placements["compute"], bucket_mb=25)  # doctest: +SKIP
     """
     out: list[DTensor] = list(shards)
     at: dict[int, tuple[int, int]] = {}
@@ -68,11 +69,13 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
     forward = Gathers(len(buckets), kept, lambda k: buckets[k].launch(), build)
     for i, x in forward.placeholders(bucketed, shards, lambda i: shards[i].shape).items():
         out[i] = x
-    return out
+    return out, forward
 
 
-def settle(grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """``grads`` with the reduce-scatters a bucket's backward left in flight awaited (after backward)."""
+def settle(grads: Sequence[torch.Tensor | None], gathers: Gathers) -> list[torch.Tensor | None]:
+    """After backward: ``grads`` with the reduce-scatters a bucket's backward left in flight awaited, and
+    ``gathers`` closed (a prefetch the loss never used awaited, the kept buckets forgotten)."""
+    gathers.close()
     return [fc.dtensor(fc.wait(g._local_tensor), g.device_mesh, g.placements, g)
             if isinstance(g, DTensor) and isinstance(g._local_tensor, funcol.AsyncCollectiveTensor) else g
             for g in grads]

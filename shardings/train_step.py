@@ -136,11 +136,12 @@ class TrainStep:
             for mb in self._microbatches(batch):
                 weight = self.token_count(mb) / total_tokens
                 with use(self.mesh, self.layout), regather_in_backward():
-                    compute = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb, plan.units)
+                    compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb,
+                                                             plan.units)
                     compute = self._cast_compute(compute)
                     loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                     del compute
-                    g = gather_buckets.settle(torch.autograd.grad(loss, leaves, allow_unused=True))
+                    g = gather_buckets.settle(torch.autograd.grad(loss, leaves, allow_unused=True), gathers)
                 g = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(leaves, g)]
                 acc = g if acc is None else [a + b for a, b in zip(acc, g)]
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

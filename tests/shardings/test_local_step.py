@@ -12,7 +12,7 @@ import models.gpt as gpt
 import shardings
 from core import tree
 from shardings import Mesh, flat_comm, local_step
-from shardings.lazy_params import Lazy
+from shardings.lazy_params import Gathers, Lazy
 from shardings.testing import check_equivalence
 
 CFG = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8)
@@ -189,6 +189,26 @@ def test_zero3_gathers_each_block_when_the_loss_first_uses_it_and_frees_it_after
                                     axes={"blocks": [("embed", None)] * 3}, token_count=lambda b: b["x"].shape[0])
         step(sharded, step.init(sharded), batch)
     assert seen == [(True, 0), (True, 0), (True, 0)]
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_zero3_awaits_a_prefetch_the_loss_never_used_when_the_step_ends(monkeypatch, local):
+    closed = []  # per close: the gathers still pending
+    close = Gathers.close
+    monkeypatch.setattr(Gathers, "close", lambda self: (closed.append(sorted(self.pending)), close(self))[1])
+
+    def loss_fn(params, batch):  # the last block is never used: its prefetch is left pending
+        return torch.tanh(torch.tanh(batch["x"] @ params["blocks"][0]) @ params["blocks"][1]).square().mean()
+
+    params = {"blocks": [torch.randn(4, 4) for _ in range(3)]}
+    mesh = Mesh(dp=2)
+    with shardings.simulate(2):
+        sharded = shardings.shard(params, {"blocks": [shardings.P("dp")] * 3}, mesh)
+        step = shardings.train_step(loss_fn, core.optim.sgd(0.1), layout="zero3", mesh=mesh, local=local,
+                                    axes={"blocks": [("embed", None)] * 3}, token_count=lambda b: b["x"].shape[0])
+        _, grads, _ = step.grads(sharded, {"x": torch.randn(4, 4)})
+        unused = float(shardings.unwrap(grads["blocks"][2].full_tensor().abs().sum()))
+    assert closed == [[2]] and unused == 0.0
 
 
 @pytest.mark.parametrize(("layout", "mesh"), [("zero3", Mesh(dp=2)), ("zero3+tp+sp", Mesh(dp=2, tp=2))])
