@@ -1,7 +1,7 @@
 """Our layouts against torch's own wrappers, side by side (a benchmark, not a test).
 
 ``python -m experiments.bench [--quick] [--config gpt_small comm] [--pairs dp zero3 tp+sp zero3+tp+sp]
-[--steps 20] [--batch N] [--csv bench.csv]``
+[--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]``
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
 same ``models.gpt`` weights, global batch, fp32 and AdamW(1e-3). The torch side is
@@ -20,9 +20,10 @@ pair (ours)        our mesh                      torch side
 =================  ============================  ====================================================
 
 The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side (the max over
-ranks): median step time after warm-up, ours/native; **peak memory**: the most bytes live tensors
-held at once during one warm-up step, the parameters and optimizer state included
-(:func:`shardings.peak_memory.peak_memory`, what ``torch.cuda.max_memory_allocated`` reports on a
+ranks): median step time after warm-up (each side launched ``--rounds`` times, alternated: on a
+shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
+memory**: the most bytes live tensors held at once during one warm-up step, the parameters and
+optimizer state included (:func:`shardings.peak_memory.peak_memory`, what ``torch.cuda.max_memory_allocated`` reports on a
 GPU; CPU tensors have no allocator counter); the growth of the process's max RSS over the run (code,
 Python objects and what malloc keeps count there too: noisy); and comm bytes per rank per step,
 *measured* by ``shardings.accounting.comms()`` around the first step: it sees DDP's bucket
@@ -175,8 +176,12 @@ def _worker(side: str, layout: str, cfg_kw: dict, batch_size: int, steps: int, w
     return {"times": times, "loss": loss, "peak_mb": mem.peak / 2**20, "rss_mb": rss, "comm_bytes": comm[0]}
 
 
-def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int) -> list[dict]:
+def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int, rounds: int = 1) -> list[dict]:
     """Run each pair on 4 ranks and return one row per pair (times in ms, memory in MB).
+
+    With ``rounds > 1`` each side is launched that many times, in the order ours, native, native, ours,
+    ... (so a machine that drifts during the run slows both sides alike), and the step time is the
+    median over every launch and rank of its median step.
 
     Raises:
         RuntimeError: the two sides' step-1 losses differ (they do not run the same model).
@@ -190,10 +195,10 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
     rows = []
     for layout in pairs:
         native = _PAIRS[layout].native
-        res = {
-            side: shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup)
-            for side in ("ours", "native")
-        }
+        res: dict[str, list[dict]] = {"ours": [], "native": []}
+        for k in range(rounds):
+            for side in ("ours", "native") if k % 2 == 0 else ("native", "ours"):
+                res[side] += shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup)
         med = {s: statistics.median(statistics.median(r["times"]) for r in res[s]) * 1e3 for s in res}
         loss = {s: res[s][0]["loss"] for s in res}
         if abs(loss["ours"] - loss["native"]) > 1e-4 * max(1.0, abs(loss["native"])):
@@ -222,12 +227,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--pairs", nargs="+", default=list(_PAIRS), choices=list(_PAIRS))
     parser.add_argument("--config", nargs="+", default=["gpt_small"], choices=["gpt_small", "comm"],
                         help="model configs to run (gpt_small: compute-bound; comm: communication dominates)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (median reported)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side and launch (median reported)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="launches per side, alternated (ours, native, native, ours): step times pooled")
     parser.add_argument("--batch", type=int, default=None, help="global batch size (rows); default per config")
     parser.add_argument("--csv", default="bench.csv", help="where to write the table")
     args = parser.parse_args(argv)
-    configs, steps, warmup = (["quick"], 3, 2) if args.quick else (args.config, args.steps, 3)
-    rows = [r for config in configs for r in run(args.pairs, config, args.batch, steps, warmup)]
+    configs, steps, warmup, rounds = (["quick"], 3, 2, 1) if args.quick else (args.config, args.steps, 3, args.rounds)
+    rows = [r for config in configs for r in run(args.pairs, config, args.batch, steps, warmup, rounds)]
     cols = list(rows[0])
     print(" | ".join(cols))
     for r in rows:
