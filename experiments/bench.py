@@ -23,9 +23,10 @@ The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side 
 ranks): median step time after warm-up (each side launched ``--rounds`` times, alternated: on a
 shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
 memory**: the most bytes live tensors held at once during one warm-up step, the parameters and
-optimizer state included (:func:`shardings.peak_memory.peak_memory`, what ``torch.cuda.max_memory_allocated`` reports on a
-GPU; CPU tensors have no allocator counter); the growth of the process's max RSS over the run (code,
-Python objects and what malloc keeps count there too: noisy); and comm bytes per rank per step,
+optimizer state included (:func:`shardings.peak_memory.peak_memory`, what
+``torch.cuda.max_memory_allocated`` reports on a GPU; CPU tensors have no allocator counter); the
+growth of the process's max RSS over the run (code, Python objects and what malloc keeps count there
+too: noisy); and comm bytes per rank per step,
 *measured* by ``shardings.accounting.comms()`` around the first step: it sees DDP's bucket
 all-reduces, FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the
 dispatcher as c10d ops). Both counters are dispatch modes, so neither sees inside an op DTensor
