@@ -260,7 +260,7 @@ class _Constrain(torch.autograd.Function):
         ctx.mesh = x.device_mesh
         ctx.grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
         if tuple(x.placements) == placements:  # an alias: still a node, whose backward lays the gradient out
-            return DTensor(x._local_tensor, x._spec, requires_grad=False)
+            return DTensor(x._local_tensor.detach(), x._spec, requires_grad=False)
         return x.redistribute(x.device_mesh, placements)
 
     @staticmethod
