@@ -141,6 +141,7 @@ class TrainStep:
                     compute = self._cast_compute(compute)
                     loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                     del compute
+                    gathers.close()  # forget every gathered bucket: autograd holds what backward needs
                     g = gather_buckets.settle(torch.autograd.grad(loss, leaves, allow_unused=True), gathers)
                 g = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(leaves, g)]
                 acc = g if acc is None else [a + b for a, b in zip(acc, g)]
