@@ -71,19 +71,21 @@ class Gathers:
         flat = self.pending.pop(k) if k in self.pending else self.launch(k)
         with torch.enable_grad():  # an op under no_grad may touch it first; later ones need the gradient
             fulls = self.build(k, flat)
-        self.drop_blocks()
+        self._drop_blocks()
         self.live[k] = fulls
         if k + 1 < self.count and k + 1 not in self.pending:
             self.pending[k + 1] = self.launch(k + 1)  # prefetch: it gathers while this bucket computes
         return fulls
 
-    def drop_blocks(self) -> None:
+    def _drop_blocks(self) -> None:
         """Forget the buckets not in ``kept`` (freed unless an op or autograd still holds them)."""
         for k in [k for k in self.live if k not in self.kept]:
             del self.live[k]
 
     def close(self) -> None:
-        """After backward: forget every bucket, await a prefetch the loss never used (an unused block)."""
+        """At the end of forward: forget every bucket (autograd holds what backward needs) and await a
+        prefetch the loss never used (an unused block). Again after backward, where a recomputed block
+        (remat) may have gathered once more."""
         self.live.clear()  # the kept ones' (a reference cycle through their autograd nodes otherwise)
         for flat in self.pending.values():
             fc.wait(flat)

@@ -248,7 +248,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
                 weight = torch.as_tensor(token_count(mb)).to(torch.float32) / total
                 loss = loss_fn(tree.unflatten(treedef, compute), mb) * weight
                 del compute
-                gathered.forward_gathers.drop_blocks()  # forward is over: backward re-gathers them
+                gathered.forward_gathers.close()  # forward is over: autograd holds what backward needs
             grads = torch.autograd.grad(loss, local, allow_unused=True)
         finally:
             gathered.forward_gathers.close()

@@ -208,7 +208,7 @@ def test_zero3_awaits_a_prefetch_the_loss_never_used_when_the_step_ends(monkeypa
                                     axes={"blocks": [("embed", None)] * 3}, token_count=lambda b: b["x"].shape[0])
         _, grads, _ = step.grads(sharded, {"x": torch.randn(4, 4)})
         unused = float(shardings.unwrap(grads["blocks"][2].full_tensor().abs().sum()))
-    # awaited once: the DTensor path closes at the end of forward too (a later close finds nothing pending)
+    # awaited once, at the end of forward; the close after backward finds nothing pending
     assert closed[0] == [2] and not any(closed[1:]) and unused == 0.0
 
 
