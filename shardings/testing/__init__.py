@@ -1,6 +1,37 @@
-"""Testing helpers for sharded code: equivalence against one device, and hypothesis strategies."""
+"""Testing helpers for sharded code: equivalence against one device, the tolerance rule, hypothesis strategies.
 
-from shardings.testing.equivalence import EquivalenceError, Report, Row, Tolerance, check_equivalence
-from shardings.testing.strategies import layouts, meshes, specs
+The strategies (``meshes``, ``specs``, ``layouts``) need ``hypothesis`` (a dev dependency) and are
+imported on first use, so ``import shardings`` works without it.
+"""
 
-__all__ = ["EquivalenceError", "Report", "Row", "Tolerance", "check_equivalence", "layouts", "meshes", "specs"]
+from typing import Any
+
+from shardings.testing.equivalence import EquivalenceError, Report, Row, check_equivalence, compare_trees
+from shardings.testing.tolerance import ULPS, Diff, Tolerance, assert_close, diff, tolerance
+
+__all__ = [
+    "ULPS",
+    "Diff",
+    "EquivalenceError",
+    "Report",
+    "Row",
+    "Tolerance",
+    "assert_close",
+    "check_equivalence",
+    "compare_trees",
+    "diff",
+    "layouts",
+    "meshes",
+    "specs",
+    "tolerance",
+]
+
+_STRATEGIES = ("layouts", "meshes", "specs")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STRATEGIES:
+        from shardings.testing import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module 'shardings.testing' has no attribute {name!r}")

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import core
 from core import tree
+from shardings.testing import assert_close
 
 
 def _mlp(widths, seed):
@@ -129,7 +130,7 @@ def test_hessian_vector_product_equals_autograd(case):
     _, ref = torch.autograd.functional.hvp(
         lambda *leaves: _loss(tree.unflatten(spec, list(leaves)), x), tuple(flat), tuple(tree.leaves(v))
     )
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(tree.leaves(hvp), ref, strict=True))
+    assert_close(tree.leaves(hvp), list(ref))
 
 
 def test_unused_leaf_gets_zeros():
@@ -234,7 +235,7 @@ def test_vmap_over_a_pytree_equals_a_loop(case):
     looped = tree.map(lambda *leaves: torch.stack(leaves), *rows)
     assert tree.structure(batched) == tree.structure(looped)
     # Batched matmuls may sum in a different order than one-row ones: fp32 tolerance (DESIGN §5).
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(tree.leaves(batched), tree.leaves(looped)))
+    assert_close(batched, looped)
 
 
 def test_vmap_in_axes_per_leaf():
@@ -281,6 +282,8 @@ def test_value_and_grad_on_dtensor_pytree():
         value, grads = core.value_and_grad(_loss)(sharded, shard(x, None, mesh))
         full = gather(grads)
         values = per_rank(value.full_tensor())
-    assert all(torch.allclose(v, ref_value, rtol=1e-5) for v in values)
+    for v in values:
+        assert_close(v, ref_value)
     for g, r in zip(tree.leaves(full), tree.leaves(ref_grads), strict=True):
-        assert all(torch.allclose(v, r, rtol=1e-4, atol=1e-5) for v in per_rank(g))
+        for v in per_rank(g):
+            assert_close(v, r)

@@ -11,6 +11,7 @@ import models.gpt as gpt
 import shardings
 from experiments import export
 from shardings import Mesh, checkpoint
+from shardings.testing import assert_close
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -28,7 +29,7 @@ def test_export_of_a_sharded_checkpoint_loads_in_transformers_with_the_same_logi
     want = gpt.apply(gpt.init(core.random.key(3), cfg), tokens, cfg)
     with torch.no_grad():
         got = hf(tokens).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_close(got, want)
 
     params_back, cfg_back = export.from_hf_dir(tmp_path / "hf")  # and back: training can start from it
     assert cfg_back == dataclasses.replace(cfg, head_dim=cfg.d_head)  # the same model, head_dim made explicit

@@ -11,18 +11,15 @@ import core
 import models.gpt as gpt
 from core import tree
 from experiments import native_gpt
+from shardings.testing import assert_close
 
 GQA = gpt.Config(vocab=96, dim=64, layers=2, heads=4, kv_heads=2, mlp=96, seq_len=12)
 MHA = dataclasses.replace(GQA, kv_heads=None)
 MQA = dataclasses.replace(GQA, kv_heads=1, head_dim=8)
 
 
-def _assert_trees_close(got, want, rtol=1e-4, atol=1e-5):
-    got_leaves, want_leaves = tree.leaves(got), tree.leaves(want)
-    assert tree.flatten(got)[1] == tree.flatten(want)[1]
-    for g, w in zip(got_leaves, want_leaves):
-        assert g.shape == w.shape
-        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+def _assert_trees_close(got, want):
+    assert_close(got, want)  # structure, shapes and every leaf by the project's rule
 
 
 @pytest.mark.parametrize("cfg", [GQA, MHA, MQA], ids=["gqa", "mha", "mqa_head_dim"])
@@ -33,7 +30,7 @@ def test_loss_and_grads_equal_gpt(cfg):
     loss = model(batch)
     loss.backward()
     want_loss, want_grads = core.value_and_grad(gpt.loss)(params, batch, cfg)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    assert_close(loss, want_loss)
     _assert_trees_close(native_gpt.to_params(model, grads=True), want_grads)
 
 

@@ -25,6 +25,7 @@ from experiments.train import run
 from models import mlp
 from models.mlp import axes, example_batch, init
 from shardings import checkpoint
+from shardings.testing import assert_close
 from tests.experiments.conftest import compose_config
 
 __all__ = ["Config", "axes", "example_batch", "init", "loss"]
@@ -83,8 +84,8 @@ def test_a_restarted_run_resumes_bitwise_under_its_layout_and_within_tolerance_u
     run(compose_config("train", [*MLP, "layout=zero3+tp", "mesh=dp2_tp2"]), str(other))
     got, ref_losses = _losses(other), _losses(ref)
     assert sorted(got) == [3, 4]
-    for s in got:  # DESIGN §5: loss rtol 1e-5
-        torch.testing.assert_close(torch.tensor(got[s]), torch.tensor(ref_losses[s]), rtol=1e-5, atol=0)
+    for s in got:
+        assert_close(torch.tensor(got[s]), torch.tensor(ref_losses[s]))
 
 
 def test_a_finished_run_restarted_in_its_run_dir_keeps_its_metrics(tmp_path):

@@ -17,6 +17,7 @@ from experiments.build import ConfigError, build
 from experiments.data import DataState, Packed, load_corpus
 from experiments.train import run
 from shardings import checkpoint
+from shardings.testing import assert_close
 from tests.experiments.conftest import compose_config
 
 FAST = ["model=mlp", "data.max_bytes=200000", "progress=false", "optim.warmup_steps=0", "optim.lr=1e-2", "steps=6"]
@@ -83,7 +84,7 @@ def test_init_from_a_hugging_face_folder_starts_from_its_params(tmp_path):
     summary = run(compose_config("train", [*FAST, *GPT, "steps=1", f"model.init_from={hf}"]), str(tmp_path / "run"))
     data = Packed(load_corpus("stdlib", cfg.data.max_bytes), 16, 4)
     want = gpt.loss(params, data.next(DataState(0))[0], mcfg)
-    torch.testing.assert_close(torch.tensor(summary["first_loss"]), want, rtol=1e-5, atol=0)  # DESIGN §5 loss rtol
+    assert_close(torch.tensor(summary["first_loss"]), want)
 
     with pytest.raises(ConfigError, match=r"params\['blocks'\]\[0\]\['w_\w+'\] has shape .* needs .*Fix:"):
         run(compose_config("train", [*FAST, *GPT, "model.config.mlp=96", f"model.init_from={hf}"]), str(tmp_path))

@@ -17,6 +17,7 @@ import shardings
 from core import tree
 from models import gpt
 from models.layers import cross_entropy
+from shardings.testing import assert_close
 from tests.models.helpers import assert_init_is_block_evaluable, assert_tensor_parallel_matches
 
 LOGICAL = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers"}
@@ -69,7 +70,7 @@ def test_causal_logits_ignore_future_tokens(cfg: gpt.Config, data: st.DataObject
     changed = tokens.clone()
     changed[:, t] = (tokens[:, t] + 1) % cfg.vocab
     before, after = gpt.apply(params, tokens, cfg), gpt.apply(params, changed, cfg)
-    torch.testing.assert_close(after[:, :t], before[:, :t], rtol=0, atol=1e-6)
+    assert_close(after[:, :t], before[:, :t])
     assert not torch.allclose(after[:, t:], before[:, t:])  # the changed token and later ones do see it
 
 
@@ -82,7 +83,7 @@ def test_grouped_kv_equals_mha_with_repeated_heads(kv_heads: int) -> None:
     repeat = lambda w: einops.repeat(w, "e k d -> e (k g) d", g=groups)  # query head h reads kv head h // groups
     mha = {**params, "blocks": [{**b, "wk": repeat(b["wk"]), "wv": repeat(b["wv"])} for b in params["blocks"]]}
     tokens = gpt.example_batch(cfg, 2)["tokens"]
-    torch.testing.assert_close(gpt.apply(mha, tokens, mha_cfg), gpt.apply(params, tokens, cfg), rtol=1e-5, atol=1e-6)
+    assert_close(gpt.apply(mha, tokens, mha_cfg), gpt.apply(params, tokens, cfg))
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -104,9 +105,7 @@ def test_tied_embedding_is_also_the_unembedding() -> None:
     assert grads["embed"][cfg.vocab // 2 :].abs().sum() > 0
     tied_logits = gpt.apply(params, batch["tokens"], cfg)
     untied = {**params, "unembed": params["embed"].T.clone()}
-    torch.testing.assert_close(
-        gpt.apply(untied, batch["tokens"], dataclasses.replace(cfg, tie_embeddings=False)), tied_logits
-    )
+    assert_close(gpt.apply(untied, batch["tokens"], dataclasses.replace(cfg, tie_embeddings=False)), tied_logits)
 
 
 @settings(max_examples=10)
@@ -116,7 +115,7 @@ def test_loss_is_mean_cross_entropy_over_kept_labels(cfg: gpt.Config, seed: int)
     batch = gpt.example_batch(cfg, 3, seed=seed, with_ignored=True)
     logits = gpt.apply(params, batch["tokens"], cfg)
     expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=cfg.ignore_index)
-    torch.testing.assert_close(gpt.loss(params, batch, cfg), expected, rtol=1e-5, atol=1e-6)
+    assert_close(gpt.loss(params, batch, cfg), expected)
 
 
 def test_ignored_labels_do_not_affect_the_loss() -> None:

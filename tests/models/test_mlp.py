@@ -14,6 +14,7 @@ import models
 import shardings
 from core import tree
 from models import mlp
+from shardings.testing import assert_close
 from tests.models.helpers import assert_init_is_block_evaluable, assert_tensor_parallel_matches
 
 LOGICAL = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert", "layers"}
@@ -53,7 +54,7 @@ def test_each_position_sees_only_its_own_token(cfg: mlp.Config, data: st.DataObj
     changed[:, t] = (tokens[:, t] + 1) % cfg.vocab
     before, after = mlp.apply(params, tokens, cfg), mlp.apply(params, changed, cfg)
     others = torch.arange(cfg.seq_len) != t
-    torch.testing.assert_close(after[:, others], before[:, others], rtol=0, atol=1e-6)
+    assert_close(after[:, others], before[:, others])
     assert not torch.allclose(after[:, t], before[:, t])
 
 
@@ -64,7 +65,7 @@ def test_loss_is_mean_cross_entropy_over_kept_labels(cfg: mlp.Config, seed: int)
     batch = mlp.example_batch(cfg, 3, seed=seed, with_ignored=True)
     logits = mlp.apply(params, batch["tokens"], cfg)
     expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=cfg.ignore_index)
-    torch.testing.assert_close(mlp.loss(params, batch, cfg), expected, rtol=1e-5, atol=1e-6)
+    assert_close(mlp.loss(params, batch, cfg), expected)
 
 
 def test_ignored_labels_do_not_affect_the_loss() -> None:

@@ -8,9 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardings import Mesh, P, blockwise, comms, shard, simulate, spec_of, unwrap
-from shardings.testing import meshes, specs
-
-TOL = {"rtol": 1e-5, "atol": 1e-6}
+from shardings.testing import assert_close, meshes, specs
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -61,10 +59,10 @@ def test_blockwise_equals_the_function_on_full_tensors_and_is_local_when_only_ro
         xs = [shard(full, spec, mesh).detach().requires_grad_(), *(shard(a, P(), mesh).requires_grad_() for a in args)]
         with comms() as forward:
             out = blockwise(f, *xs, whole=whole, transpose=transpose)
-        torch.testing.assert_close(unwrap(out.full_tensor()), want, **TOL)
+        assert_close(unwrap(out.full_tensor()), want)
         (out.full_tensor() * cotangent).sum().backward()
         for x, g in zip(xs, want_grads):
-            torch.testing.assert_close(unwrap(x.grad.full_tensor()), g, **TOL)
+            assert_close(unwrap(x.grad.full_tensor()), g)
         split = {d % full.ndim for d, axes in enumerate(spec.dim_axes()) if mesh.axis_size(axes) > 1}
         local = not split & {d % full.ndim for d in whole}
         assert (type(out.grad_fn).__name__ == "_BlockwiseBackward") == local

@@ -27,6 +27,7 @@ from shardings.collectives import (
 )
 from shardings.lower import rank_coords
 from shardings.mesh import axis_of_group
+from shardings.testing import assert_close
 
 MESH = Mesh(a=2, b=2, c=2)
 
@@ -67,7 +68,7 @@ def _check(per_rank_fn, reference, x_shape, seed=0):
     (g,) = torch.autograd.grad((y * rank_map(lambda r: cot[r])).sum(), x)
     for got, want in ((y, y_ref), (g, g_ref)):
         for r, v in enumerate(per_rank(got)):
-            torch.testing.assert_close(v, want[r], rtol=1e-5, atol=1e-5, msg=lambda m, r=r: f"rank {r}: {m}")
+            assert_close(v, want[r], msg=f"rank {r}")
 
 
 @st.composite

@@ -10,13 +10,16 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import core
 from shardings import Mesh, P, Rules, ShardingError, constrain, current, per_rank, simulate, use
+from shardings.testing import assert_close
 
 MESH = Mesh(dp=2, tp=2)
 RULES = Rules(batch="dp", seq="tp", embed="tp", mlp=None)
 
 
 def _same_on_every_rank(x, expected):
-    return all(torch.allclose(v, expected, rtol=1e-5, atol=1e-6) for v in per_rank(x))
+    for v in per_rank(x):
+        assert_close(v, expected)
+    return True
 
 
 def test_use_nests_and_restores():
@@ -117,7 +120,7 @@ def test_partial_to_shard_is_a_reduce_scatter():
         assert y.placements == (Replicate(), Shard(0))
         # tp ranks r and r ^ 1 share a dp coordinate: their parts are summed.
         for rank, got in enumerate(per_rank(y.full_tensor())):
-            assert torch.allclose(got, parts[rank] + parts[rank ^ 1], atol=1e-6)
+            assert_close(got, parts[rank] + parts[rank ^ 1])
 
 
 def test_wrong_number_of_names():

@@ -12,6 +12,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import LaunchError, Mesh, comms, launch, memory
 from shardings.launch import init_from_env
+from shardings.testing import assert_close
 
 pytestmark = pytest.mark.multiprocess
 
@@ -72,11 +73,11 @@ def test_launch_returns_per_rank_results():
     assert [r["rank"] for r in results] == [0, 1]
     for rank, r in enumerate(results):
         assert r["world"] == 2 and r["init_from_env"] == rank and r["mesh"] == (2,)
-        torch.testing.assert_close(r["all_reduce"], torch.tensor([30.0]))
+        assert_close(r["all_reduce"], torch.tensor([30.0]))
         assert r["comms"] == [{"kind": "all_reduce", "axis": "dp", "count": 1, "bytes": 64}]
         assert r["memory"] == 6 * 4 + 2 * 4
         assert type(r["shard"]) is torch.Tensor and r["shard"].device.type == "cpu"
-        torch.testing.assert_close(r["shard"], torch.full((2, 3), float(rank)))
+        assert_close(r["shard"], torch.full((2, 3), float(rank)))
         assert r["nested"] == [(0, 2), (1, 2)]
 
 

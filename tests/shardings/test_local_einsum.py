@@ -12,7 +12,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from shardings import Mesh, P, comms, einsum, shard, simulate, spec_of, unwrap
 from shardings.gather_params import regather_in_backward, to_compute
 from shardings.local_einsum import _plan_for
-from shardings.testing import meshes
+from shardings.testing import assert_close, meshes
 
 # (pattern, size of each index): linear layers, attention scores, experts, an index summed in one operand only
 PATTERNS = [
@@ -32,8 +32,6 @@ def _terms(pattern: str) -> tuple[list[list[str]], list[str]]:
 
 # Blocks sum a contraction in another order than the full einsum: a sum of n O(1) terms moves by up to about
 # n·eps·Σ|terms|, and the widest here (an input grad over f = 6 per rank × 6 ranks) reaches ~1e-5. At
-# atol=1e-6 the worst of 300 random draws used 0.77 of the tolerance and CI drew one past it.
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _check(pattern: str, fulls: list[torch.Tensor], specs: list[P], mesh: Mesh) -> DTensor:
@@ -44,10 +42,10 @@ def _check(pattern: str, fulls: list[torch.Tensor], specs: list[P], mesh: Mesh) 
     want_grads = torch.autograd.grad((want * cotangent).sum(), leaves)
     xs = [shard(t, s, mesh).detach().requires_grad_() for t, s in zip(fulls, specs)]
     out = einsum(*xs, pattern)
-    torch.testing.assert_close(unwrap(out.full_tensor()), want, **TOL)
+    assert_close(unwrap(out.full_tensor()), want)
     (out.full_tensor() * cotangent).sum().backward()
     for x, g in zip(xs, want_grads):
-        torch.testing.assert_close(unwrap(x.grad.full_tensor()), g, **TOL)
+        assert_close(unwrap(x.grad.full_tensor()), g)
     return out
 
 
@@ -149,7 +147,7 @@ def test_partial_operand_falls_back_exactly():
         b_rep = shard(b, P(), mesh)
         assert _plan_for("i j, j k -> i k", [halves, b_rep]) is None
         out = einsum(halves, b_rep, "i j, j k -> i k")
-        torch.testing.assert_close(unwrap(out.full_tensor()), a @ b)
+        assert_close(unwrap(out.full_tensor()), a @ b)
 
 
 def test_zero3_gathered_weight_is_regathered_in_backward_not_kept():

@@ -12,8 +12,7 @@ import core
 import shardings
 from shardings import Mesh, P, Rules, ShardingError, comms, layouts, per_rank, shard, use
 from shardings.ring_attention import attention, reference_attention, ring_work
-
-TOL = dict(rtol=1e-5, atol=1e-5)  # fp32; the online softmax reorders the sums
+from shardings.testing import assert_close
 
 
 def _inputs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int = 4, seed: int = 0):
@@ -41,7 +40,7 @@ def _sharded(q, k, v, cotangent, causal, mesh, layout, spec, wrap=lambda f: f):
 def _assert_close(got_per_rank, want_tensors):
     for got, want in zip(got_per_rank, want_tensors):
         for rank_value in got:
-            torch.testing.assert_close(rank_value, want, **TOL)
+            assert_close(rank_value, want)
 
 
 @pytest.mark.parametrize("variant", ["cp", "cp_allgather"])
@@ -83,7 +82,7 @@ def test_without_cp_it_is_the_reference():
     with shardings.simulate(2), use(Mesh(dp=2), layouts.get("dp")):
         got = attention(*(shard(x, P("dp"), Mesh(dp=2)) for x in (q, k, v)))
         assert got.placements[0].is_shard(0)  # dp-sharded reference, no ring
-        torch.testing.assert_close(per_rank(got.full_tensor())[1], want)
+        assert_close(per_rank(got.full_tensor())[1], want)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -20,6 +20,7 @@ from shardings.collectives import all_gather, all_to_all, axis_index, pmean, ppe
 from shardings.launch import launch
 from shardings.lower import local_block, rank_coords, to_placements
 from shardings.shard_map import shard_map
+from shardings.testing import assert_close
 from shardings.testing.strategies import meshes, specs
 
 
@@ -85,7 +86,7 @@ def cases(draw, mesh):
 def _assert_close(got, want, what):
     """Every rank's value of ``got`` equals the plain tensor ``want``."""
     for r, v in enumerate(per_rank(got)):
-        torch.testing.assert_close(v, want, rtol=1e-4, atol=1e-5, msg=lambda m, r=r: f"{what}, rank {r}: {m}")
+        assert_close(v, want, msg=f"{what}, rank {r}")
 
 
 def _everywhere(full):
@@ -125,7 +126,7 @@ def test_shard_map_matches_full_tensor_reference(data):
         # Per-block reference: each rank's block is its slice of the full result.
         for r, (coords, block) in enumerate(zip(rank_coords(mesh), per_rank(out.to_local()))):
             want = ref[local_block(ref.shape, case.out_specs, mesh, coords)]
-            torch.testing.assert_close(block, want, rtol=1e-4, atol=1e-5, msg=lambda m, r=r: f"block of rank {r}: {m}")
+            assert_close(block, want, msg=f"block of rank {r}")
         grads = torch.autograd.grad((out.full_tensor() * _everywhere(cot)).sum(), xs)
         for i, (g, want) in enumerate(zip(grads, ref_grads)):
             _assert_close(_full(g), want, f"grad of input {i}")
@@ -231,7 +232,7 @@ def test_real_processes_agree_with_simulated_ranks():
         simulated = [per_rank(t) for t in _every_collective(_everywhere(x), _everywhere(w))]
     for rank, values in enumerate(real):
         for i, value in enumerate(values):
-            torch.testing.assert_close(value, simulated[i][rank], rtol=1e-5, atol=1e-5)
+            assert_close(value, simulated[i][rank])
 
 
 def test_a_tensor_made_outside_simulate_cannot_take_gradients():

@@ -7,9 +7,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import shardings
 from shardings import Mesh, P, per_rank, shard
+from shardings.testing import assert_close
 from shardings.vocab_parallel import embedding, logsumexp, nll
-
-TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; the shifted sum of exponentials adds in another order
 
 
 def _collectives(mode: CommDebugMode) -> dict[str, int]:
@@ -34,8 +33,8 @@ def test_vocab_sharded_values_and_grads_equal_torch_with_two_small_all_reduces(v
     assert _collectives(fwd) == {"all_reduce": 2} and _collectives(bwd) == {}  # the max, the sum: (batch, seq)
     assert got.placements == (Shard(0), Replicate()) and grad.placements == logits.placements
     for v, g in zip(values, grads):
-        torch.testing.assert_close(v, want, **TOL)
-        torch.testing.assert_close(g, want_grad, **TOL)
+        assert_close(v, want)
+        assert_close(g, want_grad)
 
 
 def test_plain_tensors_unsharded_dims_and_empty_blocks_take_torchs_op():
@@ -51,7 +50,7 @@ def test_plain_tensors_unsharded_dims_and_empty_blocks_take_torchs_op():
         assert _collectives(mode) == {"all_reduce": 2}
         gathered = logsumexp(empty, 1)  # no max of an empty block: torch's (gathering) op
         for v in per_rank(by_blocks.full_tensor()):
-            torch.testing.assert_close(v, torch.logsumexp(x, 1), **TOL)
+            assert_close(v, torch.logsumexp(x, 1))
         assert gathered.shape == (3,)
 
 
@@ -76,8 +75,8 @@ def test_vocab_sharded_embedding_is_a_partial_lookup_equal_to_torchs(vocab):
     else:
         assert _collectives(fwd) == {"all_gather_into_tensor": 1}
     for v, g in zip(values, grads):
-        torch.testing.assert_close(v, want, **TOL)
-        torch.testing.assert_close(g, want_grad, **TOL)
+        assert_close(v, want)
+        assert_close(g, want_grad)
 
 
 @pytest.mark.parametrize("vocab", [16, 15])  # 16: each rank's block on its own; 15 (uneven): the composite form
@@ -88,7 +87,7 @@ def test_per_token_nll_equals_torchs_cross_entropy_with_three_small_all_reduces(
     want = torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
     want = torch.where(labels >= 0, want.view(4, 6), torch.logsumexp(ref, -1))
     (want_grad,) = torch.autograd.grad(want, ref, cot)
-    torch.testing.assert_close(nll(x, labels), want.detach(), **TOL)
+    assert_close(nll(x, labels), want.detach())
     with shardings.simulate(4):
         mesh = Mesh(dp=2, tp=2)
         assert mesh.device_mesh is not None
@@ -102,5 +101,5 @@ def test_per_token_nll_equals_torchs_cross_entropy_with_three_small_all_reduces(
         assert _collectives(fwd) == {"all_reduce": 3} and _collectives(bwd) == {}
         assert got.placements == (Shard(0), Replicate()) and grad.placements == logits.placements
     for v, g in zip(values, grads):
-        torch.testing.assert_close(v, want.detach(), **TOL)
-        torch.testing.assert_close(g, want_grad, **TOL)
+        assert_close(v, want.detach())
+        assert_close(g, want_grad)

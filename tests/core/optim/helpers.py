@@ -8,6 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from core import optim, tree
+from shardings.testing import assert_close
 
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
 # A dict with a nested list, so key paths and nesting are exercised: {"w0": ..., "blocks": [...]}.
@@ -54,15 +55,13 @@ def run_torch(
     return tree.unflatten(treedef, [p.detach() for p in ps])
 
 
-def assert_trees_close(actual, expected, rtol: float = 1e-6, atol: float = 1e-6) -> None:
-    """Leafwise ``allclose``; fp32 defaults ``rtol=1e-6, atol=1e-6``.
+def assert_trees_close(actual, expected) -> None:
+    """Same tree structure and every leaf close by the project's rule (``shardings.testing.assert_close``).
 
-    Why an ``atol``: ours computes ``p + (-lr) * (u + wd * p)`` (optax's composition) where torch
+    Not bitwise: ours computes ``p + (-lr) * (u + wd * p)`` (optax's composition) where torch
     computes ``p * (1 - lr * wd) - lr * u``. Both round to float32 at every step, so an entry that
     cancels to near zero keeps an absolute error of a few ulps of the O(1) terms it came from
-    (observed 2.2e-7 with lr 0.3); relative to that tiny entry the error is meaningless. 1e-6 is
-    ~8 ulps of 1.0, far below any real discrepancy (a wrong formula is off by ~lr).
+    (observed 2.2e-7 with lr 0.3): the rule's floor, proportional to the leaf's largest magnitude,
+    absorbs it, while a wrong formula is off by ~lr.
     """
-    for (path, a), b in zip(tree.leaves_with_path(actual), tree.leaves(expected)):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, path=path: f"{tree.keystr(path)}: {m}")
-    assert tree.structure(actual) == tree.structure(expected)
+    assert_close(actual, expected)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import shardings
 from core import optim, tree
 from shardings import Mesh
+from shardings.testing import assert_close
 from tests.core.optim.helpers import assert_trees_close, grad_sequence, random_tree, run_ours
 
 PLACEMENTS = [
@@ -42,10 +43,10 @@ def _distribute(plain_tree, placements_tree, mesh):
     return tree.map(lambda t, pl: distribute_tensor(t, mesh, list(pl)), plain_tree, placements_tree)
 
 
-def _assert_per_rank_close(dtensor_tree, expected, atol=1e-6):
-    """Every rank's ``full_tensor()`` equals the plain result (see helpers for the atol's reason)."""
+def _assert_per_rank_close(dtensor_tree, expected):
+    """Every rank's ``full_tensor()`` equals the plain result (see helpers for the tolerance's reason)."""
     for rank_values in zip(*(shardings.per_rank(x.full_tensor()) for x in tree.leaves(dtensor_tree))):
-        assert_trees_close(tree.unflatten(tree.structure(expected), list(rank_values)), expected, atol=atol)
+        assert_trees_close(tree.unflatten(tree.structure(expected), list(rank_values)), expected)
 
 
 placement_trees = st.fixed_dictionaries(
@@ -82,9 +83,9 @@ def test_global_norm_and_clip_reduce_across_shards(placements, scale):
         norm = optim.global_norm(d_grads)
         assert not isinstance(norm, DTensor)  # plain 0-d: scales plain and DTensor leaves alike
         for value in shardings.per_rank(norm):
-            torch.testing.assert_close(value, optim.global_norm(grads), rtol=1e-6, atol=0)
+            assert_close(value, optim.global_norm(grads))
         clipped, _ = optim.clip_by_global_norm(1.0).update(d_grads, optim.EmptyState())
-        _assert_per_rank_close(clipped, expected, atol=0)
+        _assert_per_rank_close(clipped, expected)
 
 
 def test_zero_sharded_state_with_replicated_params_matches_plain():

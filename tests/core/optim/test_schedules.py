@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from core import optim
+from shardings.testing import assert_close
 
 
 def optax_warmup_cosine(step, peak, warmup, decay, end, init):
@@ -22,7 +23,7 @@ def test_warmup_cosine_known_points():
     lr = optim.warmup_cosine(1.0, warmup_steps=10, decay_steps=110, end=0.1, init=0.2)
     expected = {0: 0.2, 5: 0.6, 10: 1.0, 60: 0.55, 110: 0.1, 111: 0.1, 10_000: 0.1}
     for step, value in expected.items():
-        torch.testing.assert_close(lr(step), torch.tensor(value), rtol=1e-6, atol=1e-7, msg=f"step {step}")
+        assert_close(lr(step), torch.tensor(value), msg=f"step {step}")
 
 
 def test_warmup_cosine_without_warmup_starts_at_peak():
@@ -43,7 +44,7 @@ def test_warmup_cosine_matches_optax_formula(peak, warmup, decay_len, end, init,
     value = lr(torch.tensor(step, dtype=torch.int32))
     assert value.dtype == torch.float32 and value.ndim == 0
     expected = optax_warmup_cosine(step, peak, warmup, warmup + decay_len, end, init)
-    torch.testing.assert_close(value, torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    assert_close(value, torch.tensor(expected))
 
 
 def test_linear_and_constant_known_points():

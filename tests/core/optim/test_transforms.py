@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from core import optim, tree
+from shardings.testing import assert_close
 from tests.core.optim.helpers import assert_trees_close, grad_sequence, random_tree, run_ours, run_torch, tree_shapes
 
 seeds = st.integers(0, 2**16)
@@ -24,8 +25,8 @@ def test_clip_by_global_norm_matches_clip_grad_norm(shapes, seed, scale, max_nor
     for p, g in zip(ps, tree.leaves(grads)):
         p.grad = g.clone()
     total = torch.nn.utils.clip_grad_norm_(ps, max_norm)
-    assert_trees_close(clipped, tree.unflatten(tree.structure(grads), [p.grad for p in ps]), atol=0)
-    torch.testing.assert_close(optim.global_norm(grads), total, rtol=1e-6, atol=0)
+    assert_trees_close(clipped, tree.unflatten(tree.structure(grads), [p.grad for p in ps]))
+    assert_close(optim.global_norm(grads), total)
 
 
 @given(tree_shapes, seeds, grad_scales, max_norms, st.floats(1e-4, 0.1))
@@ -45,10 +46,10 @@ def test_global_norm_ignores_non_tensor_leaves_and_upcasts():
     grads = {"a": torch.tensor([3.0], dtype=torch.bfloat16), "b": None, "c": [torch.tensor([4.0])], "n": 7}
     norm = optim.global_norm(grads)
     assert norm.dtype == torch.float32 and norm.ndim == 0
-    torch.testing.assert_close(norm, torch.tensor(5.0))
+    assert_close(norm, torch.tensor(5.0))
     big = {"h": torch.full((4,), 6e4, dtype=torch.float16)}  # squares overflow float16
-    torch.testing.assert_close(optim.global_norm(big), torch.tensor(1.2e5))
-    torch.testing.assert_close(optim.global_norm({"none": None}), torch.tensor(0.0))
+    assert_close(optim.global_norm(big), torch.tensor(1.2e5))
+    assert_close(optim.global_norm({"none": None}), torch.tensor(0.0))
 
 
 def test_none_updates_pass_through_and_keep_params():
@@ -64,7 +65,7 @@ def test_apply_updates_keeps_param_dtype():
     params = {"w": torch.ones(2, dtype=torch.bfloat16)}
     out = optim.apply_updates(params, {"w": torch.full((2,), -0.5)})
     assert out["w"].dtype == torch.bfloat16
-    torch.testing.assert_close(out["w"], torch.full((2,), 0.5, dtype=torch.bfloat16))
+    assert_close(out["w"], torch.full((2,), 0.5, dtype=torch.bfloat16))
 
 
 def test_state_is_namedtuple_pytree_mirroring_params():
@@ -117,7 +118,7 @@ def test_update_traces_without_graph_breaks():
     grads = random_tree({"w": (3, 2), "b": (4,)}, 3)
     state = opt.init(params)
     compiled = torch.compile(opt.update, backend="eager", fullgraph=True)
-    assert_trees_close(compiled(grads, state, params), opt.update(grads, state, params), atol=0)
+    assert_trees_close(compiled(grads, state, params), opt.update(grads, state, params))
 
 
 def test_weight_decay_mask_errors_name_the_problem_and_fix():
