@@ -70,11 +70,11 @@ class Report:
 
 
 def compare_trees(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS,
-                  skip: dict[str, torch.Tensor] | None = None) -> tuple[float, float, float, str, bool]:
+                  slack: dict[str, torch.Tensor] | None = None) -> tuple[float, float, float, str, bool]:
     """Compare two trees leaf by leaf with the tolerance rule (:mod:`shardings.testing.tolerance`).
 
     The structures must match: a leaf missing on either side (or an extra one) fails, named by its path.
-    ``skip`` maps a leaf's key path to a boolean mask of elements left out of the comparison.
+    ``slack`` maps a leaf's key path to a per-element allowance added to the rule (:func:`diff`'s).
 
     Returns:
         ``(max_abs, rel_norm, used, worst_path, ok)`` of the worst leaf (the one using the most of its
@@ -87,46 +87,49 @@ def compare_trees(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS,
         return math.inf, math.inf, math.inf, f"{missing[0]} (tree structures differ)", False
     worst = (0.0, 0.0, 0.0, "", True)
     for key, w in want_leaves.items():
-        w, g = torch.as_tensor(w).detach(), torch.as_tensor(got_leaves[key]).detach()
-        if skip is not None and key in skip and g.shape == w.shape:
-            g = torch.where(skip[key], w, g)
-        d = diff(g, w, tolerance(w, terms=terms, ulps=ulps) if w.numel() else None)
+        w = torch.as_tensor(w).detach()
+        extra = slack.get(key) if slack is not None else None
+        d = diff(got_leaves[key], w, tolerance(w, terms=terms, ulps=ulps) if w.numel() else None, slack=extra)
         if d.used >= worst[2]:
             worst = (d.max_abs, d.rel_norm, d.used, key, d.ok)
     return worst
 
 
-def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm):
+def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps):
+    """Per step the single-device ``(loss, grads, params)``, and how far rounding noise could move the params.
+
+    The second part runs the same optimizer twice more beside the reference, on the reference's
+    gradients pushed up and down by the largest difference the tolerance rule allows them. An
+    optimizer that normalizes the gradient (Adam's ``m / √v``) turns gradient noise near zero
+    into a step of about the learning rate; these two runs measure that amplification, element by
+    element, so the params comparison allows exactly it and no more (plain SGD: almost nothing).
+    """
     params = init(key, cfg)
     opt = core.optim.chain(core.optim.clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
     state = opt.init(params)
-    out = []
+    noisy = [(sign, params, opt.init(params)) for sign in (1.0, -1.0)]
+    out, slack = [], []
     for _ in range(steps):
         loss, grads = core.value_and_grad(loss_fn)(params, batch)
+        for j, (sign, p, st) in enumerate(noisy):
+            pushed = tree.map(lambda g, sign=sign: g + sign * _allowed(g, terms, ulps), grads)
+            updates, st = opt.update(pushed, st, p)
+            noisy[j] = (sign, core.optim.apply_updates(p, updates), st)
         updates, state = opt.update(grads, state, params)
         params = core.optim.apply_updates(params, updates)
         out.append((loss, grads, params))
-    return out
+        moved = [tree.map(lambda a, b: (a - b).abs(), p, params) for _, p, _ in noisy]
+        slack.append({tree.keystr(k): torch.maximum(x, y) for (k, x), y in
+                      zip(tree.leaves_with_path(moved[0]), tree.leaves(moved[1]))})
+    return out, slack
 
 
-def _quiet_gradients(ref: list[Any], terms: int, ulps: float) -> list[dict[str, torch.Tensor]]:
-    """Per step, per leaf: the elements whose reference gradient was at the noise floor at this step or before.
-
-    A gradient element the reference computes as (near) zero comes out as rounding noise on another
-    layout, and an optimizer that normalizes the gradient (Adam's ``m / √v``) turns that noise into a
-    step of about the learning rate. Those elements' params are not compared; their gradients are,
-    every step, by the same rule as every other element.
-    """
-    out, masks = [], {}
-    for _, grads, _ in ref:
-        for path, g in tree.leaves_with_path(grads):
-            g = torch.as_tensor(g).detach()
-            floor = tolerance(g, terms=terms, ulps=ulps).atol if g.numel() else 0.0
-            key = tree.keystr(path)
-            quiet = g.abs() <= floor
-            masks[key] = masks[key] | quiet if key in masks else quiet
-        out.append(dict(masks))
-    return out
+def _allowed(g: torch.Tensor, terms: int, ulps: float) -> torch.Tensor:
+    """The largest difference from ``g`` the rule accepts, per element."""
+    if not g.numel():
+        return torch.zeros_like(g)
+    tol = tolerance(g, terms=terms, ulps=ulps)
+    return tol.atol + tol.rtol * g.detach().abs()
 
 
 def _rank_values(full_tree: Any) -> list[Any]:
@@ -199,7 +202,13 @@ def check_equivalence(
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
     Every rank's copy of loss, gathered grads and gathered params is compared (a rank-dependent
-    bug cannot hide behind rank 0).
+    bug cannot hide behind rank 0), every step, leaf by leaf, with the tolerance rule of
+    :mod:`shardings.testing.tolerance` (``terms`` = the batch's tokens by default); the tree
+    structures must match. Params get one more allowance: how far the optimizer moves them when
+    the reference's gradients are off by what the rule allows (measured by two extra reference
+    runs, see ``_reference``) — Adam turns a gradient that is exactly zero on one device and
+    1e-12 on sharded ranks into a learning-rate step, which is rounding, not a bug. A wrong
+    gradient still fails in the grads rows, and a wrong update fails in the params rows.
 
     Args:
         init: ``init(key, cfg) -> params`` (single-device, ``core.random``).
@@ -237,9 +246,8 @@ def check_equivalence(
     loss_fn = functools.partial(loss, cfg=cfg)
     key = core.random.key(seed)
     make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
-    ref = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm)
     terms = terms or max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
-    quiet = _quiet_gradients(ref, terms, ulps)
+    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps)
     rows: list[Row] = []
     for layout in layouts:
         layout = get_layout(layout)
@@ -247,8 +255,8 @@ def check_equivalence(
         got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
             for quantity, want in (("loss", ref_loss), ("grads", ref_grads), ("params", ref_params)):
-                skip = quiet[i] if quantity == "params" else None
-                results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, skip=skip) for r in per_ranks]
+                extra = slack[i] if quantity == "params" else None
+                results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, slack=extra) for r in per_ranks]
                 abs_, rel, used, path, ok = max(results, key=lambda r: (not r[4], r[2]))
                 rows.append(Row(layout.name, i + 1, quantity, abs_, rel, used, path or "<scalar>", ok))
     report = Report(rows)

@@ -50,7 +50,8 @@ def _eps(x: torch.Tensor, dtype: torch.dtype | None) -> float:
     return torch.finfo(dtype).eps
 
 
-def tolerance(want: torch.Tensor, *, terms: int = 1, ulps: float = ULPS, dtype: torch.dtype | None = None) -> Tolerance:
+def tolerance(want: torch.Tensor, *, terms: int = 1, ulps: float = ULPS, dtype: torch.dtype | None = None,
+              magnitude: float | None = None) -> Tolerance:
     """The tolerance for comparing a computed tensor with the reference ``want``.
 
     Args:
@@ -58,9 +59,11 @@ def tolerance(want: torch.Tensor, *, terms: int = 1, ulps: float = ULPS, dtype: 
         terms: the longest chain of additions behind one element (>= 1).
         ulps: the margin, in units of ``eps(dtype)·√terms``.
         dtype: the precision the values were computed in (default ``want``'s floating dtype, fp32 for integers).
+        magnitude: the size of the values added to make ``want``, when larger than ``max|want|`` (a
+            difference of large terms that cancels: ``a - b`` is only as exact as ``max(|a|, |b|)``).
 
     Returns:
-        ``Tolerance(rtol, atol)`` with ``rtol = ulps·eps·√terms`` and ``atol = rtol·max|want|``.
+        ``Tolerance(rtol, atol)`` with ``rtol = ulps·eps·√terms`` and ``atol = rtol·max(max|want|, magnitude)``.
 
     >>> tolerance(torch.tensor([1.0, -4.0]), terms=4).atol == 4 * tolerance(torch.tensor([1.0]), terms=4).rtol
     True
@@ -69,7 +72,7 @@ def tolerance(want: torch.Tensor, *, terms: int = 1, ulps: float = ULPS, dtype: 
         raise ValueError(f"tolerance: terms must be >= 1, got {terms}. Fix: pass the reduction length (1 for none).")
     rtol = ulps * _eps(want, dtype) * math.sqrt(terms)
     scale = float(want.detach().abs().max()) if want.numel() else 0.0
-    return Tolerance(rtol=rtol, atol=rtol * scale)
+    return Tolerance(rtol=rtol, atol=rtol * max(scale, magnitude or 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +88,13 @@ class Diff:
     ok: bool
 
 
-def diff(got: torch.Tensor, want: torch.Tensor, tol: Tolerance | None = None, **kw: Any) -> Diff:
+def diff(got: torch.Tensor, want: torch.Tensor, tol: Tolerance | None = None, *,
+         slack: torch.Tensor | None = None, **kw: Any) -> Diff:
     """Compare two tensors by the rule (``tol`` given, or :func:`tolerance` of ``want`` with ``kw``).
 
-    A shape or dtype-kind mismatch, or a NaN/inf where the reference has none, never passes.
+    ``slack`` (same shape as ``want``) adds a per-element allowance on top of the rule, for a
+    difference the computation is known to amplify (see ``check_equivalence``'s optimizer noise).
+    A shape mismatch, or a NaN/inf where the reference has none, never passes.
     """
     got_t, want_t = torch.as_tensor(got).detach(), torch.as_tensor(want).detach()
     if got_t.shape != want_t.shape:
@@ -102,6 +108,8 @@ def diff(got: torch.Tensor, want: torch.Tensor, tol: Tolerance | None = None, **
     if not bool(err.isfinite().all()):
         return Diff(math.inf, math.inf, math.inf, False)
     allowed = tol.atol + tol.rtol * torch.where(b.isfinite(), b.abs(), torch.zeros_like(b))
+    if slack is not None:
+        allowed = allowed + slack.detach().double().abs()
     used = torch.where(err == 0, torch.zeros_like(err), err / allowed.clamp_min(torch.finfo(torch.float64).tiny))
     norm = float(torch.linalg.vector_norm(torch.where(b.isfinite(), b, torch.zeros_like(b))))
     rel_norm = float(torch.linalg.vector_norm(err)) / norm if norm else (0.0 if not err.any() else math.inf)
@@ -110,7 +118,7 @@ def diff(got: torch.Tensor, want: torch.Tensor, tol: Tolerance | None = None, **
 
 
 def assert_close(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS, dtype: torch.dtype | None = None,
-                 msg: str = "") -> None:
+                 magnitude: float | None = None, msg: str = "") -> None:
     """Assert two tensors (or two trees of tensors, leaf by leaf) agree by the rule.
 
     Trees must have the same structure; the message names the first failing key path.
@@ -127,7 +135,8 @@ def assert_close(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS, dty
         raise AssertionError(f"{msg}{': ' if msg else ''}tree structures differ: got {got_paths}, want {want_paths}")
     for path, (_, g), (_, w) in zip(got_paths, got_leaves, want_leaves):
         w_t = torch.as_tensor(w)
-        d = diff(g, w_t, tolerance(w_t, terms=terms, ulps=ulps, dtype=dtype) if w_t.numel() else None)
+        tol = tolerance(w_t, terms=terms, ulps=ulps, dtype=dtype, magnitude=magnitude) if w_t.numel() else None
+        d = diff(g, w_t, tol)
         if not d.ok:
             where = f" at {path}" if path else ""
             shapes = f" (shapes {tuple(torch.as_tensor(g).shape)} vs {tuple(w_t.shape)})"
