@@ -9,6 +9,7 @@ from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
 from shardings.errors import ShardingError
 from shardings.initialize import init
 from shardings.launch import LaunchError, launch
+from shardings.layout_view import describe as describe_layout
 from shardings.local_einsum import einsum
 from shardings.mesh import Mesh, NamedSharding, P
 from shardings.ring_attention import attention
@@ -38,6 +39,7 @@ __all__ = [
     "comms",
     "constrain",
     "current",
+    "describe_layout",
     "einsum",
     "gather",
     "init",
