@@ -7,7 +7,10 @@ writes, into ``--out`` (default: the directory itself):
   loss, tokens/s, comm bytes per step by collective kind, memory per rank (params, grads, optimizer
   state, total);
 - ``loss.png`` (loss curves overlaid), ``memory.png`` (stacked memory per rank per run) and
-  ``comm.png`` (comm bytes per step by kind per run).
+  ``comm.png`` (comm bytes per step by kind per run);
+- ``layout_<i>.png`` for each run that wrote ``layout.json`` (``shardings.describe_layout``): per
+  parameter group and role the spec, shaded by the share of the tensor a rank holds, beside the
+  step's collectives by kind × mesh axis.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-__all__ = ["collect", "main", "write_report"]
+__all__ = ["collect", "draw_layout", "main", "write_report"]
 
 _MEMORY = ("params", "grads", "opt_state")
 
@@ -89,6 +92,45 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float]], title: 
     plt.close(fig)
 
 
+def _spec_text(spec: list[Any]) -> str:
+    entry = lambda e: "·" if e is None else e if isinstance(e, str) else "(" + ",".join(e) + ")"
+    return " ".join(entry(e) for e in spec)
+
+
+def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
+    """A PNG of ``shardings.describe_layout(...).to_dict()``: specs per group and role, and the collectives."""
+    roles = ["params", "compute", "grads", "opt_state"]
+    rows = view["rows"]
+    fig, (table, bars) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.32 * max(len(rows), 6)),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    shares = [[r["shares"][k] for k in roles] for r in rows]
+    table.imshow(shares, cmap="Blues_r", vmin=0, vmax=1, aspect="auto")
+    for i, r in enumerate(rows):
+        for j, k in enumerate(roles):
+            share = r["shares"][k]
+            label = _spec_text(r["specs"][k]) + ("" if share == 1 else f"  1/{round(1 / share)}")
+            table.text(j, i, label, ha="center", va="center", fontsize=7, color="white" if share < 0.4 else "black")
+    table.set_xticks(range(len(roles)), ["storage", "compute", "grads", "opt state"])
+    table.set_yticks(range(len(rows)), [r["group"] for r in rows], fontsize=7)
+    table.xaxis.tick_top()
+    mesh = ", ".join(f"{a}={n}" for a, n in view["mesh"].items())
+    table.set_title(f"{view['layout']} on ({mesh}): spec per dim (· whole), share per rank", fontsize=9)
+    comm = view["comm"]
+    if comm:
+        labels = [f"{c['kind']}\n{c['axis']} ×{c['count']}" for c in comm]
+        bars.barh(labels, [c["bytes"] / 2**20 for c in comm])
+        bars.set_xlabel("MiB sent per rank per step")
+        bars.invert_yaxis()
+    else:
+        bars.text(0.5, 0.5, "no collectives recorded", ha="center", va="center")
+        bars.set_axis_off()
+    bars.set_title("collectives per step", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def write_report(runs: list[dict[str, Any]], out: str | Path) -> list[Path]:
     """Write report.md, report.csv, loss.png, memory.png and comm.png into ``out``; return their paths."""
     out = Path(out)
@@ -117,7 +159,9 @@ def write_report(runs: list[dict[str, Any]], out: str | Path) -> list[Path]:
     kinds = sorted({k for r in runs for k in r["summary"]["comm_bytes_by_kind"]})
     _bars(out / "comm.png", labels, {k: [r["summary"]["comm_bytes_by_kind"].get(k, 0) for r in runs] for k in kinds},
           "comm per step per rank")
-    return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")]
+    layouts = [draw_layout(json.loads(Path(r["dir"], "layout.json").read_text()), out / f"layout_{i}.png")
+               for i, r in enumerate(runs) if Path(r["dir"], "layout.json").exists()]
+    return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")] + layouts
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,6 @@ from torch.distributed.tensor import DTensor
 
 from core import deferred, tree
 from shardings import layouts, lower
-from shardings.distribute import shard
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh, P
 from shardings.rules import is_names, logical_to_spec
@@ -78,9 +77,12 @@ def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str 
 
 
 def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
-    if isinstance(recipe, torch.Tensor):  # materialized by the init function itself: small, shard it
-        return shard(recipe.detach(), spec, mesh)
-    if not isinstance(recipe, deferred.Deferred):
+    if isinstance(recipe, torch.Tensor):  # materialized by the init function itself (e.g. an nn.Module's weights)
+        full = recipe.detach()
+        block = lambda slices: full[slices].clone()  # each rank its own copy: never the caller's storage
+    elif isinstance(recipe, deferred.Deferred):
+        block = recipe.block
+    else:
         raise sharding_error(
             f"the init function returned a {type(recipe).__name__} leaf",
             fix="return tensors (core.random draws or torch.zeros/ones/full) as parameter leaves",
@@ -88,7 +90,7 @@ def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
             cls=TypeError,
         )
     shape = tuple(recipe.shape)
-    local = rank_map(lambda r: recipe.block(lower.local_block(shape, spec, mesh, lower.coords_of_rank(r, mesh))))
+    local = rank_map(lambda r: block(lower.local_block(shape, spec, mesh, lower.coords_of_rank(r, mesh))))
     stride = torch.empty(shape, device="meta").stride()
     placements = lower.to_placements(spec, mesh, len(shape), path=path)
     return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -20,7 +20,7 @@ from shardings.layouts import get as get_layout
 from shardings.mesh import Mesh, P
 from shardings.rules import is_names, logical_to_spec
 
-__all__ = ["ROLES", "GroupRow", "LayoutView", "describe"]
+__all__ = ["ROLES", "GroupRow", "LayoutView", "describe", "rules_table"]
 
 ROLES = ("params", "compute", "grads", "opt_state")
 _TITLES = {"params": "storage", "compute": "compute", "grads": "grads", "opt_state": "opt state"}
@@ -132,3 +132,45 @@ def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any
         rows.append(GroupRow(_label(name, indices), shape, len(indices), dict(zip(ROLES, specs)), shares))
     comm_rows = comm.rows() if hasattr(comm, "rows") else list(comm or [])
     return LayoutView(layout.name or repr(layout), mesh, rows, comm_rows)
+
+
+_ROLE_LETTERS = {"params": "S", "compute": "C", "grads": "G", "opt_state": "O", "batch": "B", "activations": "A"}
+
+
+def _target_text(targets: tuple[Any, ...]) -> str:
+    entry = lambda t: "·" if t is None else t if isinstance(t, str) else "(" + ",".join(t) + ")"
+    return " | ".join(entry(t) for t in targets)
+
+
+def rules_table(presets: tuple[str, ...] | None = None) -> str:
+    """A markdown table of the logical names every preset maps, generated from the rule tables.
+
+    Rows are logical names, columns presets; a cell lists, per group of roles (S storage, C compute,
+    G grads, O optimizer state, B batch, A activations), the mesh axes the name goes to — ``a | b``
+    when ``b`` is the fallback taken if another dim of the tensor already holds ``a``. Empty: the
+    preset leaves the name alone (replicated, unless another preset of the composition maps it).
+
+    >>> print(rules_table(("dp",)).splitlines()[2])
+    | `batch` | BA→(dp,fsdp) |
+    """
+    from shardings.layouts import _PRESETS  # the registry, presets in registration order
+
+    presets = presets or tuple(_PRESETS)
+    names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS
+                               for n in getattr(_PRESETS[p].layout, role).names))
+    from shardings.layouts import LOGICAL_NAMES
+
+    names = [n for n in LOGICAL_NAMES if n in names] + [n for n in names if n not in LOGICAL_NAMES]
+    lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
+    for name in names:
+        cells = []
+        for p in presets:
+            by_target: dict[str, str] = {}
+            for role, letter in _ROLE_LETTERS.items():
+                targets = getattr(_PRESETS[p].layout, role).targets(name)
+                if targets:
+                    text = _target_text(targets)
+                    by_target[text] = by_target.get(text, "") + letter
+            cells.append("; ".join(f"{letters}→{t}" for t, letters in by_target.items()))
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -136,7 +136,8 @@ def _rank_values(full_tree: Any) -> list[Any]:
     """One plain tree per rank (ranks must each hold the same full values)."""
     leaves, treedef = tree.flatten(full_tree)
     per = [per_rank(x) for x in leaves]  # copies: a donating step writes the next step into these buffers
-    return [tree.unflatten(treedef, [p[r].clone() for p in per]) for r in range(len(per[0]))]
+    ranks = max(map(len, per), default=1)  # a plain tensor (one value) is every rank's value
+    return [tree.unflatten(treedef, [p[r if len(p) > 1 else 0].clone() for p in per]) for r in range(ranks)]
 
 
 def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):

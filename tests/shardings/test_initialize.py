@@ -14,10 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import core
 import models
+import shardings
 from core import deferred, tree
 from shardings import Mesh, ShardingError, gather, layouts, per_rank, simulate, spec_of
 from shardings.initialize import init, param_specs
 from shardings.lower import local_block, rank_coords, to_placements
+from shardings.testing import assert_close
 
 CONFIGS = {
     # Sizes that split unevenly (embed 16 over 3 or 6 ranks, vocab 13 over 2) and even empty shards.
@@ -228,3 +230,27 @@ def test_init_that_transforms_a_draw_with_a_method_raises(transform, op):
 
     with simulate(2), pytest.raises(TypeError, match=rf"deferred init: {op}\(\) was applied"):
         init(init_fn, core.random.key(0), None, axes={"w": ("embed",)}, layout="zero3", mesh=Mesh(dp=2))
+
+
+def test_materialized_init_leaves_get_their_own_storage_per_rank():
+    """An init that returns ready tensors (an nn.Module's weights): every simulated rank gets its own copy.
+
+    Regression: the replicated ranks aliased the caller's one storage, so the local path's in-place
+    update under ``dp`` ran once per rank on it and the params drifted (found writing docs/models.md).
+    """
+    weights = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+    before = weights["w"].clone()
+    with shardings.simulate(2):
+        mesh = Mesh(dp=2)
+        params = shardings.init(lambda key, cfg: dict(weights), core.random.key(0), None, axes={"w": ("embed", None)},
+                                layout="dp", mesh=mesh)
+        blocks = shardings.per_rank(params["w"])
+        loss = lambda p, b: (p["w"].sum(0) * b["x"]).sum(-1).mean()
+        step = shardings.train_step(loss, core.optim.sgd(0.5), layout="dp", mesh=mesh, axes={"w": ("embed", None)},
+                                    donate=True)
+        params, _, _ = step(params, step.init(params), {"x": torch.ones(2, 3)})
+        after = shardings.per_rank(shardings.gather(params)["w"])
+    assert len({b.untyped_storage().data_ptr() for b in blocks} | {weights["w"].untyped_storage().data_ptr()}) == 3
+    assert torch.equal(weights["w"], before)  # the caller's tensors are not written
+    for got in after:  # one SGD step: d(mean over rows of x · w.sum(0))/dw = 1 everywhere
+        assert_close(got, before - 0.5 * torch.ones(4, 3))
