@@ -1,0 +1,57 @@
+"""The docs cannot rot: every Python block in README.md and docs/*.md runs, and the names they use exist.
+
+The blocks of one file run in order in one namespace (a later block may use an earlier one's
+names), each file in a fresh one.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shardings.layout_view import rules_table
+from shardings.layouts import LOGICAL_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+_TABLE = re.compile(r"<!-- rules-table:begin -->\n(.*?)\n<!-- rules-table:end -->", re.S)
+
+
+def _blocks(path: Path) -> list[tuple[int, str]]:
+    text = path.read_text()
+    return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in _BLOCK.finditer(text)]
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if _blocks(p)], ids=lambda p: p.name)
+def test_every_python_block_runs(path):
+    namespace: dict = {"__name__": f"docs_{path.stem}"}
+    for line, code in _blocks(path):
+        try:
+            exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)
+        except Exception as e:  # name the block, keep the traceback
+            raise AssertionError(f"{path.relative_to(ROOT)}, the python block at line {line} failed: {e!r}") from e
+
+
+def test_the_rules_table_is_generated_from_the_rules():
+    text = (ROOT / "docs" / "models.md").read_text()
+    found = _TABLE.search(text)
+    assert found, "docs/models.md lost its <!-- rules-table --> markers"
+    assert found.group(1) == rules_table(), (
+        "docs/models.md's logical-name table is out of date. Fix: replace it with the output of "
+        "`python -c 'from shardings.layout_view import rules_table; print(rules_table())'`"
+    )
+
+
+def test_every_logical_name_the_docs_map_exists():
+    """``name→axis`` in prose and tables: the left side must be a logical name the layouts know."""
+    known = set(LOGICAL_NAMES) | {"kv_seq"}
+    unknown = []
+    for path in DOCS:
+        text = _TABLE.sub("", path.read_text())
+        for m in re.finditer(r"([A-Za-z_/]+)→", text):
+            for name in m.group(1).split("/"):
+                if name not in known:
+                    line = text[: m.start()].count("\n") + 1
+                    unknown.append(f"{path.relative_to(ROOT)}:{line}: {name!r}")
+    assert not unknown, f"logical names no rule knows (known: {sorted(known)}):\n" + "\n".join(unknown)
