@@ -143,7 +143,10 @@ def _gathered_at(s: DTensor, placements: Sequence[Any]) -> tuple[int, int] | Non
         return None
     if any(isinstance(p, Shard) and p.dim == a.dim for k, p in enumerate(s.placements) if k != m):
         return None  # the dim is split twice: a gather over one mesh dim leaves a strided shard
-    return (m, a.dim) if s.shape[a.dim] % s.device_mesh.size(m) == 0 else None
+    # Every split even: a block uneven over another mesh dim (a vocab of 17 over tp=4) has a shape that
+    # differs between ranks, which a flat bucket of simulated ranks cannot hold (DTensor gathers it instead).
+    even = all(s.shape[p.dim] % s.device_mesh.size(k) == 0 for k, p in enumerate(s.placements) if isinstance(p, Shard))
+    return (m, a.dim) if even else None
 
 
 class _GatherBucket(torch.autograd.Function):
