@@ -121,9 +121,11 @@ def _grad_placements(x: Any, args: tuple[Any, ...], whole: tuple[int, ...]) -> l
     if not isinstance(x, DTensor) or not all(isinstance(a, DTensor) and a.device_mesh == x.device_mesh for a in args):
         return None
     kept = {d % x.ndim for d in whole}
-    for p in x.placements:
+    for m, p in enumerate(x.placements):
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim not in kept)):
             return None
+        if isinstance(p, Shard) and x.shape[p.dim] % x.device_mesh.size(m):
+            return None  # uneven blocks (one row over two ranks) differ in shape between ranks: DTensor ops instead
     grads = []
     for a in args:
         like_x = a.shape == x.shape
