@@ -1,19 +1,25 @@
-# The two front-door commands: `make test` and (later) `make train`. Both create/update .venv first.
+# The two front-door commands: `make test` and `make train`. Both create/update .venv first, from the lock.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# A CPU build by default; a GPU user installs their own torch into .venv first and it is kept.
-TORCH_SPEC ?= torch==2.13.0
+# torch is not in the lock: the CPU wheel by default; a GPU user installs their own torch into .venv first
+# and it is kept (the lock pins everything else, torch's own dependencies included).
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC    ?= torch==$(TORCH_VERSION)
+LOCK          := requirements.lock
+PIP_TOOLS     := pip-tools==7.6.2
 PYTEST_ARGS ?=
+EXPLORE_SECONDS ?= 600
 
-.PHONY: install test lint clean train
+.PHONY: install test lint clean train lock test-latest test-explore
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -r $(LOCK)
+	$(BIN)/pip install --no-deps -e .
 	touch $@
 
 lint: install
@@ -26,5 +32,29 @@ test: lint
 train: install
 	$(BIN)/python -m experiments.train $(ARGS)
 
+# Regenerate the lock after changing a dependency in pyproject.toml (then commit both). pip-tools runs from its
+# own venv; resolving against the pinned torch keeps the CPU wheel's dependency set (no CUDA packages).
+lock:
+	test -x .venv-lock/bin/pip-compile || ($(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install "$(PIP_TOOLS)")
+	echo "$(TORCH_SPEC)" > .venv-lock/torch.txt
+	CUSTOM_COMPILE_COMMAND="make lock" .venv-lock/bin/pip-compile --quiet --upgrade --extra dev --strip-extras --unsafe-package torch \
+	  --no-emit-index-url --no-emit-find-links \
+	  --constraint .venv-lock/torch.txt --output-file $(LOCK) pyproject.toml
+	! grep -iE "^(nvidia-|triton)" $(LOCK) || (echo "the lock pulled CUDA packages: make the CPU torch wheel reachable (PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)"; exit 1)
+
+# The suite against the newest releases of every dependency (the lock ignored), in its own venv.
+test-latest:
+	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -c "import torch" 2>/dev/null || .venv-latest/bin/pip install "$(TORCH_SPEC)"
+	.venv-latest/bin/pip install --upgrade --upgrade-strategy eager -e ".[dev]"
+	SHARDLAB_UNLOCKED=1 .venv-latest/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+# Bug hunting: the property tests with fresh randomness and more examples, for at most EXPLORE_SECONDS.
+# Stopping at the limit is not a failure; a falsified property is (hypothesis prints the example to pin).
+test-explore: install
+	HYPOTHESIS_PROFILE=explore timeout --signal=INT $(EXPLORE_SECONDS) \
+	  $(BIN)/python -m pytest -m hypothesis $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 124 ] || [ $$rc -eq 130 ]; then echo "explore: time limit ($(EXPLORE_SECONDS) s) reached"; exit 0; fi; exit $$rc
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache outputs multirun
+	rm -rf $(VENV) .venv-lock .venv-latest .pytest_cache .hypothesis .ruff_cache outputs multirun

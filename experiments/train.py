@@ -33,13 +33,13 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-from tqdm import tqdm
 
 import core
 import shardings
 from experiments.build import ConfigError, build, optimizer, pretrained
 from experiments.config import register
 from experiments.data import DataState, Packed, load_corpus
+from experiments.progress import Progress
 from shardings import checkpoint
 from shardings.initialize import init as sharded_init
 from shardings.train_step import train_step
@@ -140,8 +140,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
                   cfg.data.batch_size, cfg.data.seed)
     main = _is_main()
     records = _earlier_records(out_dir, start) if main else []
-    bar = tqdm(total=cfg.steps, initial=start, desc=setup.layout.name, disable=not (main and cfg.progress),
-               file=sys.stderr)
+    bar = Progress(cfg.steps, initial=start, desc=setup.layout.name, enabled=main and cfg.progress,
+                   every=cfg.progress_every)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(Path(out_dir, "metrics.jsonl"), "w")) if main else None
         if log is not None:
@@ -159,9 +159,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
                 state = _train_state(params, opt_state, data_state, key, conf)
                 checkpoint.save(ckpt_dir, state, step=i, keep=cfg.checkpoint.keep)
             r = records[-1]
-            bar.set_postfix_str(f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | comm "
-                                f"{human_bytes(r['comm_bytes'])}/step | mem {human_bytes(r['memory_per_rank'])}/rank")
-            bar.update()
+            bar.update(f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | comm "
+                       f"{human_bytes(r['comm_bytes'])}/step | mem {human_bytes(r['memory_per_rank'])}/rank")
     summary = {**_summary(records, setup), "resumed_from": start}
     if main:
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
