@@ -290,14 +290,15 @@ class TrainStep:
 
 
 def _recorded_axes(params: Any) -> Any:
-    axes = tree.map(lambda p: getattr(p, "_logical_names", None), params)
-    if any(a is None for a in tree.leaves(axes, is_leaf=lambda a: a is None)):
+    # Per parameter, not per name: a None *inside* a names tuple is a replicated dim, not a missing record.
+    recorded = [getattr(p, "_logical_names", None) for p in tree.leaves(params)]
+    if any(names is None for names in recorded):
         raise sharding_error(
             "train_step cannot tell the logical axes of the params (they were not made by shardings.init)",
             fix="pass axes=model.axes(cfg) to train_step",
             cls=TypeError,
         )
-    return axes
+    return tree.unflatten(tree.structure(params), recorded)
 
 
 def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, layout: Any, mesh: Mesh,
