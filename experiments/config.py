@@ -4,7 +4,8 @@ Groups (pick one member each on the command line, ``group=member``):
 
 - ``model``: ``mlp``, ``gpt_tiny``, ``gpt_small``, ``moe_tiny`` (needs ``models.moe``).
 - ``layout``: every preset of ``shardings.layouts`` and every valid ``+`` composition of them
-  (``dp``, ``zero3``, ``zero3+tp``, ``zero3+tp+sp``, ``hsdp+tp``, ...).
+  (``dp``, ``zero3``, ``zero3+tp``, ``zero3+tp+sp``, ``hsdp+tp``, ...), in any order on the command
+  line (``layout=sp+tp`` is ``tp+sp``), as in Python.
 - ``mesh``: sizes by axis name, major to minor (``dp4``, ``dp2_tp2``, ``fsdp2_tp2``, ...).
 - ``optim``: ``adamw``, ``sgd``. ``data``: ``stdlib`` (the Python standard library's source, as
   bytes), ``random`` (uniform bytes: nothing to learn, for throughput). ``runtime``: ``simulate``,
@@ -18,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 
 from shardings import layouts
 
@@ -218,9 +222,36 @@ def _model_config(module_name: str, values: dict[str, Any]) -> dict[str, Any]:
     return {f.name: getattr(config_cls(), f.name) for f in dataclasses.fields(config_cls)} | values
 
 
-def register() -> ConfigStore:
-    """Register every group member and both primary configs (idempotent)."""
+def _layout_spellings(overrides: Sequence[str]) -> dict[str, str]:
+    """Each ``layout=`` value of ``overrides`` (sweeps included) that is a valid layout in another order -> its name."""
+    parser, found = OverridesParser.create(), {}
+    for text in overrides:
+        if not text.lstrip("+~").startswith("layout="):
+            continue
+        try:
+            override = parser.parse_override(text)
+            values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                      else [override.get_value_element_as_str()])
+        except HydraException:  # Hydra itself reports a malformed override
+            continue
+        for value in values:
+            try:
+                found[value] = layouts.get(value).name
+            except ValueError:  # not a layout: Hydra's "could not find layout/..." names it
+                continue
+    return found
+
+
+def register(overrides: Sequence[str] = ()) -> ConfigStore:
+    """Register every group member and both primary configs (idempotent).
+
+    Canonically ordered compositions are the ``layout`` members; a composition spelled in another
+    order in ``overrides`` (the command line's, ``layout=sp+tp``) is registered too, as the same layout.
+    Registering every order up front would cost a second of start-up (2,000 members).
+    """
     cs = ConfigStore.instance()
+    for spelling, name in _layout_spellings(overrides).items():
+        cs.store(group="layout", name=spelling, node=LayoutConf(name=name))
     for name, (module, values) in MODELS.items():
         cs.store(group="model", name=name, node=ModelConf(name=module, config=_model_config(module, values)))
     for name in layout_names():

@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["model=mlp", "layout=zero3", "mesh=dp2", "steps=2"])  # doctest: +SKIP
     0
     """
-    register()
     overrides = list(sys.argv[1:] if argv is None else argv)
+    register(overrides)
     try:
         with initialize(version_base="1.3", config_path=None):
             cfg = compose("equivalence", overrides=overrides)

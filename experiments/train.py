@@ -229,7 +229,7 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
                             timeout=cfg.runtime.timeout_s)[0]
 
 
-register()
+register(sys.argv[1:])  # the command line's layout spellings (layout=sp+tp) become members too
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shardings import layouts
 from shardings.errors import sharding_error
 from shardings.lazy_params import resolve
 from shardings.lower import constrain_to, on_mesh, to_placements
@@ -42,18 +43,20 @@ def _activation_rules(rules_or_layout: Any) -> Rules:
         return Rules()
     if isinstance(rules_or_layout, Rules):
         return rules_or_layout
+    if isinstance(rules_or_layout, str):  # a preset or composition, spelled as train_step takes it
+        return layouts.get(rules_or_layout).activation_rules
     rules = getattr(rules_or_layout, "activation_rules", None)
     if isinstance(rules, Rules):
         return rules
     raise sharding_error(
         f"expected Rules or a layout with an `activation_rules` attribute, got {type(rules_or_layout).__name__}",
-        fix="pass shardings.Rules(...) or a shardings.layouts.Layout",
+        fix="pass shardings.Rules(...), a shardings.layouts.Layout or a layout string such as 'zero3+tp'",
         cls=TypeError,
     )
 
 
 @contextlib.contextmanager
-def use(mesh: Mesh, rules_or_layout: Rules | Any = None) -> Iterator[Context]:
+def use(mesh: Mesh, rules_or_layout: Rules | str | Any = None) -> Iterator[Context]:
     """Activate ``mesh`` and activation rules for :func:`constrain` inside the body.
 
     Nestable: an inner ``use`` shadows the outer one until it exits. The state lives in a
@@ -61,9 +64,10 @@ def use(mesh: Mesh, rules_or_layout: Rules | Any = None) -> Iterator[Context]:
 
     Args:
         mesh: the mesh activations are laid out on.
-        rules_or_layout: a :class:`Rules` table, or any object with an ``activation_rules``
-            attribute holding one (duck-typed, so a ``Layout`` works without this module
-            importing it). ``None`` means no rules: only ``P`` specs can be constrained to.
+        rules_or_layout: a :class:`Rules` table; a layout string as ``train_step`` takes it
+            (``"dp"``, ``"zero3+tp+sp"``, any order); or any object with an ``activation_rules``
+            attribute holding one (a ``Layout``). ``None`` means no rules: only ``P`` specs can
+            be constrained to.
 
     Yields:
         The active :class:`Context`.

@@ -122,6 +122,7 @@ def init(
     """
     layout = layouts.get(layout)
     layouts.validate(layout, mesh)
+    mesh.device_mesh  # noqa: B018  (no process group: shardlab's error saying what to do, before torch's)
     # Recipes are built from a plain key: under simulate a key made there is a LocalTensor, and every
     # block drawn from it would then be computed once per simulated rank (each rank doing all ranks' work).
     with maybe_disable_local_tensor_mode(), deferred.deferred():

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from shardings.errors import sharding_error
 from shardings.mesh import Mesh
-from shardings.rules import Rules
+from shardings.rules import Rules, register_preset_axes
 
 __all__ = ["DATA_AXES", "LOGICAL_NAMES", "Layout", "get", "names", "register", "register_combination", "validate"]
 
@@ -100,12 +100,17 @@ _COMBINED: dict[frozenset[str], tuple[Layout, int]] = {}
 
 
 def register(name: str, layout: Layout, *, group: str, needs=(), after=(), rank: int = 50) -> None:
-    """Add a preset usable in :func:`get` compositions (e.g. a user's own ``"my_tp"``)."""
+    """Add a preset usable in :func:`get` compositions (e.g. a user's own ``"my_tp"``).
+
+    The mesh axes its rules name become preset axes: skipped on a mesh that lacks them.
+    """
+    register_preset_axes(*(getattr(layout, r) for r in _ROLES))
     _PRESETS[name] = _Preset(dataclasses.replace(layout, name=name), group, tuple(needs), tuple(after), rank)
 
 
 def register_combination(names: tuple[str, ...], layout: Layout, *, rank: int) -> None:
     """Extra rules that join a composition when all of ``names`` are in it, at priority ``rank``."""
+    register_preset_axes(*(getattr(layout, r) for r in _ROLES))
     _COMBINED[frozenset(names)] = (layout, rank)
 
 

@@ -18,9 +18,28 @@ from core import tree as pytree
 from shardings.errors import sharding_error
 from shardings.mesh import Entry, Mesh, P
 
-__all__ = ["Names", "Rules", "annotate", "is_names", "logical_to_spec", "logical_to_specs", "path_str"]
+__all__ = [
+    "Names",
+    "Rules",
+    "annotate",
+    "is_names",
+    "logical_to_spec",
+    "logical_to_specs",
+    "path_str",
+    "register_preset_axes",
+]
 
 Names = tuple[str | None, ...]  # one logical name (or None: replicated) per tensor dim
+
+# Mesh axes that some registered layout preset names (``shardings.layouts.register`` adds them). A
+# rule may target one of these on a mesh without it: one preset table serves every mesh. Any other
+# axis the mesh lacks can only be a typo (``Rules(batch="dpp")``), and is an error.
+_PRESET_AXES: set[str] = set()
+
+
+def register_preset_axes(*rules: Rules) -> None:
+    """Record the mesh axes ``rules`` target as a layout preset's: skipped, not refused, on meshes without them."""
+    _PRESET_AXES.update(a for table in rules for _, target in table for a in _axes(target))
 
 
 def _axes(target: Entry) -> tuple[str, ...]:
@@ -166,8 +185,9 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
     rules for its name are tried in order and the first admissible one wins, and an earlier rule
     in the table beats a later one when two dims compete for an axis. A dim no rule could take
     is replicated. This choice depends only on the names and the table, never on the mesh; then
-    mesh axes of size 1 *and axes the mesh does not have* are dropped from the result, so one
-    table serves every mesh (layouts check separately that the axes they need exist).
+    mesh axes of size 1 *and axes of a layout preset that the mesh does not have* are dropped from
+    the result, so one table serves every mesh (layouts check separately that the axes they need
+    exist). An axis neither the mesh nor any preset knows is a typo: an error.
 
     Args:
         names: one logical name (or ``None``: replicated) per tensor dim.
@@ -179,7 +199,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
         A ``P`` with one entry per name.
 
     Raises:
-        ShardingError: a name has no rule at all.
+        ShardingError: a name has no rule at all; a chosen rule names a mesh axis that neither
+            ``mesh`` nor any layout preset has.
         TypeError: ``names`` is not a tuple of str/None, or ``rules`` is not a :class:`Rules`.
 
     >>> rules = Rules([("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "tp")])
@@ -212,10 +233,23 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
         axes = _axes(target)
         for dim, name in enumerate(names):
             if name == rule_name and chosen[dim] is None and used.isdisjoint(axes):
+                _check_axes(name, target, mesh, path)
                 chosen[dim] = axes
                 used.update(axes)
     kept = [tuple(a for a in axes or () if mesh.shape.get(a, 1) > 1) for axes in chosen]
     return P(*(_entry(axes) for axes in kept))
+
+
+def _check_axes(name: str, target: Entry, mesh: Mesh, path: Any) -> None:
+    for axis in _axes(target):
+        if axis not in mesh.shape and axis not in _PRESET_AXES:
+            raise sharding_error(
+                f"the rule ({name!r}, {target!r}) names mesh axis {axis!r}, which neither the mesh (axes "
+                f"{mesh.axis_names}) nor any layout preset has",
+                fix=f"name one of the mesh's axes {mesh.axis_names}, or add {axis!r} to the Mesh",
+                path=path,
+                mesh=mesh,
+            )
 
 
 def is_names(x: Any) -> bool:

@@ -10,7 +10,7 @@ from shardings import Mesh, P, Rules, ShardingError, annotate, logical_to_spec, 
 from shardings.mesh import validate_spec
 from shardings.rules import is_names, path_str
 
-AXES = ("dp", "fsdp", "tp", "sp")  # "sp" is never in the generated meshes: an absent axis
+AXES = ("dp", "fsdp", "tp", "cp")  # "cp" is never in the generated meshes: an absent axis (a preset's, so skipped)
 NAMES = ("batch", "seq", "embed", "mlp", "heads")
 
 targets = st.one_of(
