@@ -121,11 +121,14 @@ def _grad_placements(x: Any, args: tuple[Any, ...], whole: tuple[int, ...]) -> l
     if not isinstance(x, DTensor) or not all(isinstance(a, DTensor) and a.device_mesh == x.device_mesh for a in args):
         return None
     kept = {d % x.ndim for d in whole}
+    ranks: dict[int, int] = {}  # tensor dim -> how many blocks the mesh dims splitting it make
     for m, p in enumerate(x.placements):
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim not in kept)):
             return None
-        if isinstance(p, Shard) and x.shape[p.dim] % x.device_mesh.size(m):
-            return None  # uneven blocks (one row over two ranks) differ in shape between ranks: DTensor ops instead
+        if isinstance(p, Shard):
+            ranks[p.dim] = ranks.get(p.dim, 1) * x.device_mesh.size(m)
+    if any(x.shape[d] % n for d, n in ranks.items()):
+        return None  # uneven blocks (2 rows over tp×cp = 4) differ in shape between ranks: DTensor ops instead
     grads = []
     for a in args:
         like_x = a.shape == x.shape

@@ -48,6 +48,8 @@ def _cases(draw):
 @settings(max_examples=30)
 @given(_cases())
 @example((Mesh(dp=2), torch.tensor([[[1.5410, -0.2934, -2.1788, 0.5684]]]), P("dp"), "norm"))  # explore: 1 row, 2 ranks
+@example((Mesh(dp=1, tp=2, cp=2), torch.randn(2, 2, 4), P(("tp", "cp"), None), "position"))  # explore: 2 rows, tp×cp
+@example((Mesh(dp=1, tp=2, cp=2), torch.randn(2, 1, 4), P(("dp", "tp", "cp"), None), "position"))  # explore: 2 rows, 4
 def test_blockwise_equals_the_function_on_full_tensors_and_is_local_when_only_rows_are_split(case):
     mesh, full, spec, kind = case
     f, whole, weighted, transpose = KINDS[kind]
