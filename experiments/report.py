@@ -1,7 +1,10 @@
 """``python -m experiments.report <multirun dir> [--out DIR]``: a sweep's runs side by side.
 
-Finds every run (a folder with ``metrics.jsonl`` and ``summary.json``) under the directory and
-writes, into ``--out`` (default: the directory itself):
+Finds every job of the sweep under the directory (a folder Hydra gave ``.hydra/``, or one with a
+``summary.json``) and its status from ``status.json``: ``ran``, ``skipped`` (an impossible
+combination) or ``failed``, with why. It prints and writes (``report.md``) that list, and for the
+runs (a folder with ``metrics.jsonl`` and ``summary.json``) writes, into ``--out`` (default: the
+directory itself):
 
 - ``report.md`` and ``report.csv``: one row per run — its overrides, layout, mesh, steps, final
   loss, tokens/s, comm bytes per step by collective kind, memory per rank (params, grads, optimizer
@@ -28,7 +31,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-__all__ = ["collect", "draw_layout", "main", "write_report"]
+__all__ = ["collect", "draw_layout", "jobs", "main", "write_report"]
 
 _MEMORY = ("params", "grads", "opt_state")
 
@@ -46,15 +49,47 @@ def _labels(runs: list[Path]) -> list[str]:
     return [" ".join(o for o in ov if o not in common) or r.name for r, ov in zip(runs, overrides)]
 
 
+def _job_order(path: Path) -> list[Any]:
+    return [(0, int(s)) if s.isdigit() else (1, s) for s in path.parts]
+
+
+def _status(job: Path) -> tuple[str, str | None]:
+    if (job / "status.json").exists():
+        found = json.loads((job / "status.json").read_text())
+        return found["status"], found.get("reason")
+    if (job / "summary.json").exists():
+        return "ran", None  # written before jobs recorded their status
+    return "failed", "no status.json: the job was killed, or is still running"
+
+
+def jobs(root: str | Path) -> list[dict[str, Any]]:
+    """Every job under ``root``, in Hydra's job order: label, dir, status (ran/skipped/failed) and reason.
+
+    >>> [(j["label"], j["status"]) for j in jobs("multirun/2024-01-01/12-00-00")]  # doctest: +SKIP
+    [('layout=dp mesh=dp4', 'ran'), ('layout=zero3+tp+sp mesh=dp4', 'skipped')]
+    """
+    root = Path(root)
+    found = {p.parent.parent for p in root.rglob("overrides.yaml") if p.parent.name == ".hydra"}
+    found |= {p.parent for name in ("summary.json", "status.json") for p in root.rglob(name)}
+    dirs = sorted(found, key=_job_order)
+    if not dirs:
+        return []
+    return [{"label": label, "dir": str(job), **dict(zip(("status", "reason"), _status(job)))}
+            for job, label in zip(dirs, _labels(dirs))]
+
+
 def collect(root: str | Path) -> list[dict[str, Any]]:
-    """The runs under ``root``, in Hydra's job order: label, summary and per-step records each."""
-    paths = sorted(Path(root).rglob("summary.json"), key=lambda p: [int(s) if s.isdigit() else s for s in p.parts])
-    dirs = [p.parent for p in paths]
+    """The runs under ``root`` (jobs that ran), in Hydra's job order: label, summary and per-step records each."""
     return [
-        {"label": label, "dir": str(run), "summary": json.loads((run / "summary.json").read_text()),
-         "records": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]}
-        for run, label in zip(dirs, _labels(dirs))
+        {**job, "summary": json.loads(Path(job["dir"], "summary.json").read_text()),
+         "records": [json.loads(line) for line in Path(job["dir"], "metrics.jsonl").read_text().splitlines() if line]}
+        for job in jobs(root) if job["status"] == "ran" and Path(job["dir"], "summary.json").exists()
     ]
+
+
+def _job_lines(all_jobs: list[dict[str, Any]]) -> list[str]:
+    """One line per job: ``ran``, ``skipped: why`` or ``failed: why``."""
+    return [f"{j['label']}: {j['status']}" + (f": {j['reason']}" if j["reason"] else "") for j in all_jobs]
 
 
 def _rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
@@ -131,17 +166,21 @@ def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
     return Path(path)
 
 
-def write_report(runs: list[dict[str, Any]], out: str | Path) -> list[Path]:
-    """Write report.md, report.csv, loss.png, memory.png and comm.png into ``out``; return their paths."""
+def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dict[str, Any]] = ()) -> list[Path]:
+    """Write report.md, report.csv, loss.png, memory.png and comm.png into ``out``; return their paths.
+
+    ``all_jobs`` (from :func:`jobs`): the sweep's every job with its status, listed in report.md.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     header, rows = _rows(runs)
     with open(out / "report.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
+    jobs_md = "".join(f"- {line}\n" for line in _job_lines(all_jobs)) + "\n" if all_jobs else ""
     (out / "report.md").write_text(
-        f"# Sweep report: {len(runs)} runs\n\nComm is bytes sent per rank per step (mean over steps); memory is "
-        f"bytes held per rank after the last step.\n\n{_markdown(header, rows)}\n\n"
-        "![loss](loss.png)\n\n![memory](memory.png)\n\n![comm](comm.png)\n"
+        f"# Sweep report: {_counts(all_jobs) if all_jobs else f'{len(runs)} runs'}\n\n{jobs_md}"
+        "Comm is bytes sent per rank per step (mean over steps); memory is bytes held per rank after the "
+        f"last step.\n\n{_markdown(header, rows)}\n\n![loss](loss.png)\n\n![memory](memory.png)\n\n![comm](comm.png)\n"
     )
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -164,18 +203,28 @@ def write_report(runs: list[dict[str, Any]], out: str | Path) -> list[Path]:
     return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")] + layouts
 
 
+def _counts(all_jobs: list[dict[str, Any]]) -> str:
+    """``'6 jobs: 4 ran, 2 skipped'``."""
+    by_status: dict[str, int] = {}
+    for j in all_jobs:
+        by_status[j["status"]] = by_status.get(j["status"], 0) + 1
+    return f"{len(all_jobs)} jobs: " + ", ".join(f"{n} {status}" for status, n in by_status.items())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (1 when the directory holds no runs)."""
     parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.splitlines()[0])
     parser.add_argument("root", help="a multirun (or run) directory written by experiments.train")
     parser.add_argument("--out", default=None, help="where to write the report (default: the directory itself)")
     args = parser.parse_args(argv)
-    runs = collect(args.root)
+    all_jobs, runs = jobs(args.root), collect(args.root)
+    if all_jobs:
+        print(f"{_counts(all_jobs)}:\n" + "\n".join(_job_lines(all_jobs)) + "\n")
     if not runs:
         print(f"error: no runs (summary.json + metrics.jsonl) under {args.root}. Fix: pass the directory "
               "a `python -m experiments.train -m ...` sweep printed.", file=sys.stderr)
         return 1
-    paths = write_report(runs, args.out or args.root)
+    paths = write_report(runs, args.out or args.root, all_jobs)
     print(_markdown(*_rows(runs)))
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -8,8 +8,13 @@ With no arguments: ``gpt_tiny`` on the standard library's source bytes, layout `
     torchrun --nnodes 2 --nproc-per-node 4 ... -m experiments.train runtime=torchrun mesh=dp2_fsdp2_tp2
 
 Each run's directory (Hydra's) gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
-step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position)
-and ``summary.json``. ``python -m experiments.report <multirun dir>`` compares the runs of a sweep.
+step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position),
+``summary.json`` and ``status.json`` (``{"status": "ran"}``). ``python -m experiments.report
+<multirun dir>`` compares the runs of a sweep.
+
+A sweep keeps going past an impossible combination (``zero3+tp+sp`` on ``mesh=dp4``): that job is
+skipped with one line, and its ``status.json`` says ``skipped`` and why. A job that fails while
+running records ``failed`` and why; the sweep still runs the rest, then exits nonzero.
 
 ``checkpoint.every=N`` saves the whole train state every N steps (``shardings.checkpoint``, into
 ``checkpoint.dir``, default ``<run dir>/checkpoints``); a job restarted with the same folder resumes
@@ -31,6 +36,7 @@ from typing import Any
 import hydra
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
@@ -232,14 +238,43 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
 register(sys.argv[1:])  # the command line's layout spellings (layout=sp+tp) become members too
 
 
+def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
+    """``status.json``: ``ran``, ``skipped`` (an impossible combination) or ``failed``, and why (rank 0 only)."""
+    if os.environ.get("RANK", "0") == "0":
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        Path(out_dir, "status.json").write_text(json.dumps({"status": status, "reason": reason}) + "\n")
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
-    """The Hydra entry point; returns the final loss (what a Hydra sweeper would minimize)."""
+    """The Hydra entry point; returns the final loss (what a Hydra sweeper would minimize).
+
+    One run exits 2 on an impossible combination and 1 when a rank fails. In a sweep an impossible
+    combination is skipped (one line, ``status.json``) and the sweep goes on; a failed job is recorded
+    and re-raised, so Hydra runs the remaining jobs of its batch and then exits 1.
+    """
+    hydra_cfg = HydraConfig.get()
+    out_dir, sweeping = hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN
+    job = " ".join(hydra_cfg.overrides.task)
     try:
-        summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except (ConfigError, shardings.LaunchError) as e:
+        summary = run(cfg, out_dir)
+    except ConfigError as e:
+        _write_status(out_dir, "skipped", str(e))
+        if sweeping:
+            print(f"skipped job {hydra_cfg.job.num} ({job}): impossible combination: {e}", file=sys.stderr)
+            return float("nan")
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+        sys.exit(2)
+    except Exception as e:
+        _write_status(out_dir, "failed", f"{type(e).__name__}: {e}")
+        if sweeping:
+            print(f"failed job {hydra_cfg.job.num} ({job}): {type(e).__name__}: {e}", file=sys.stderr)
+            raise
+        if isinstance(e, shardings.LaunchError):
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        raise
+    _write_status(out_dir, "ran")
     if not summary["steps"]:
         print(f"nothing to do: already trained to step {summary['resumed_from']} (its checkpoint)")
         return float("nan")

@@ -1,0 +1,53 @@
+"""A sweep keeps going: an impossible combination is skipped, a failing job recorded; the report lists every job."""
+
+import csv
+import json
+import subprocess
+import sys
+
+from experiments.report import main as report
+
+FAST = ["runtime=simulate", "model=mlp", "steps=2", "data.max_bytes=200000", "progress=false"]
+
+
+def _sweep(tmp_path, *overrides):
+    sweep = tmp_path / "multirun"
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "-m", *FAST, *overrides,
+                           f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=300)
+    return sweep, proc
+
+
+def _status(job_dir):
+    return json.loads((job_dir / "status.json").read_text())
+
+
+def test_an_impossible_combination_is_skipped_and_the_report_lists_every_job(tmp_path, capsys):
+    # zero3+tp+sp needs a tp axis that mesh=dp2 lacks: job 0 is skipped, job 1 still runs.
+    sweep, proc = _sweep(tmp_path, "layout=zero3+tp+sp,dp", "mesh=dp2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = [ln for ln in proc.stderr.splitlines() if ln.startswith("skipped")]
+    assert len(skipped) == 1 and "skipped job 0 (" in skipped[0] and "layout=zero3+tp+sp mesh=dp2)" in skipped[0]
+    assert "needs a mesh axis tp" in skipped[0]
+    assert _status(sweep / "0")["status"] == "skipped" and "needs a mesh axis tp" in _status(sweep / "0")["reason"]
+    assert _status(sweep / "1") == {"status": "ran", "reason": None}
+
+    assert report([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs: 1 skipped, 1 ran" in out
+    assert "layout=zero3+tp+sp: skipped: layout=zero3+tp+sp mesh={'dp': 2}: " in out and "layout=dp: ran" in out
+    assert "- layout=zero3+tp+sp: skipped: " in (sweep / "report.md").read_text()
+    with open(sweep / "report.csv") as f:
+        assert [r["run"] for r in csv.DictReader(f)] == ["layout=dp"]  # the table holds the runs
+
+
+def test_a_failing_job_is_recorded_the_rest_run_and_the_exit_status_says_so(tmp_path, capsys):
+    sweep, proc = _sweep(tmp_path, "layout=dp", "mesh=dp2", "data.source=/no/such/dir,stdlib")
+    assert proc.returncode != 0
+    assert "failed job 0 (" in proc.stderr and "data.source=/no/such/dir): ValueError" in proc.stderr
+    assert _status(sweep / "0")["status"] == "failed" and "/no/such/dir" in _status(sweep / "0")["reason"]
+    assert _status(sweep / "1")["status"] == "ran"  # the sweep went on past the failure
+
+    assert report([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs: 1 failed, 1 ran" in out
+    assert "data.source=/no/such/dir: failed: ValueError: data.source='/no/such/dir' is neither" in out
