@@ -18,7 +18,7 @@ running records ``failed`` and why; the sweep still runs the rest, then exits no
 
 ``checkpoint.every=N`` saves the whole train state every N steps (``shardings.checkpoint``, into
 ``checkpoint.dir``, default ``<run dir>/checkpoints``); a job restarted with the same folder resumes
-from its latest checkpoint, under any layout and mesh. ``model.init_from=<dir>`` starts from a Hugging
+from its latest checkpoint that verifies, under any layout and mesh. ``model.init_from=<dir>`` starts from a Hugging
 Face Llama folder (``experiments.export``'s output).
 """
 
@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """One rank's training loop (all ranks run it); rank 0 writes metrics and shows the progress bar.
 
     With ``checkpoint.every=N`` the whole train state is saved every N steps and at the last one,
-    and a run whose checkpoint folder already holds one resumes from the latest by itself.
+    and a run whose checkpoint folder already holds one resumes from the latest by itself (a damaged
+    one is skipped with a warning naming it and why: the newest that verifies is used).
 
     Args:
         conf: the resolved config as a plain dict.
@@ -133,7 +135,10 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):
         like = _train_state(params, step.init(params), DataState(0), key, conf)
-        saved, start = checkpoint.load(ckpt_dir, like=like)
+        with warnings.catch_warnings():
+            if not _is_main():  # rank 0 says which checkpoint was skipped, once
+                warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
+            saved, start = checkpoint.resume(ckpt_dir, like=like)  # the newest that verifies
         params, opt_state, data_state = saved["params"], saved["opt_state"], DataState(saved["data"]["position"])
     else:
         if cfg.model.init_from:

@@ -14,6 +14,8 @@ Layout on disk, under the root ``path``::
 A save writes into ``step_N.tmp``; when every rank has finished, rank 0 writes the manifest and
 renames the folder to ``step_N`` (a rename is atomic), then deletes all but the newest ``keep``.
 So a crash at any point leaves the previous checkpoint intact, and ``latest`` never sees half a save.
+A checkpoint damaged later (a file lost, truncated or corrupted on disk) fails :func:`load`; :func:`resume`
+skips it, with a :class:`CheckpointWarning` naming it and why, and loads the newest one that verifies.
 
 Loading reshards: ``like`` is a state in the target layout (say from ``shardings.init`` and
 ``step.init``, on another mesh), or plain tensors for one device; DCP reads each rank's blocks
@@ -54,6 +56,7 @@ from shardings.checkpoint_files import (
     _FORMAT,
     MANIFEST,
     CheckpointError,
+    CheckpointWarning,
     _check_files,
     _check_like,
     _describe_files,
@@ -68,7 +71,7 @@ from shardings.checkpoint_files import (
 from shardings.checkpoint_files import _MetadataUnpickler as _MetadataUnpickler  # re-exported: tests use it here
 from shardings.simulate import simulated_world_size, unwrap
 
-__all__ = ["CheckpointError", "PendingSave", "latest", "load", "save"]
+__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "latest", "load", "resume", "save"]
 
 _PENDING: dict[str, PendingSave] = {}  # root path -> its save still being written (async)
 
@@ -308,8 +311,57 @@ def load(path: str | os.PathLike, like: Any = None) -> tuple[Any, int]:
     if root in _PENDING:
         _PENDING.pop(root).wait()
     folder = _resolve(root)
+    return _load_verified(folder, _verified(folder), like)
+
+
+def resume(path: str | os.PathLike, like: Any = None) -> tuple[Any, int]:
+    """Load the newest checkpoint under the root ``path`` that verifies; every rank calls it.
+
+    A damaged checkpoint (its manifest unreadable, a file missing, truncated or corrupted) is
+    skipped with a :class:`CheckpointWarning` saying which and why, and the next older one is
+    tried: a restarted job loses the steps since that one, not the run. Anything else (``like``
+    with another structure, shape or dtype) raises as :func:`load` does.
+
+    Args:
+        path: the root folder ``save`` wrote ``step_N`` folders into.
+        like: as for :func:`load`.
+
+    Returns:
+        ``(state, step)`` of the checkpoint loaded.
+
+    Raises:
+        CheckpointError: no complete checkpoint under ``path``, or none that verifies (each named);
+            ``like`` does not match the checkpoint.
+
+    >>> state, step = resume("ckpt", like=state)  # doctest: +SKIP
+    """
+    root = os.fspath(path)
+    if root in _PENDING:
+        _PENDING.pop(root).wait()
+    damaged = []
+    for step in reversed(_steps(root)):
+        folder = os.path.join(root, f"step_{step}")
+        try:
+            saved = _verified(folder)
+        except CheckpointError as e:
+            damaged.append(f"{folder}: {e}")
+            warnings.warn(f"resume: skipping the damaged checkpoint {folder}: {e}", CheckpointWarning, stacklevel=2)
+            continue
+        return _load_verified(folder, saved, like)
+    if damaged:
+        raise _error(f"no checkpoint under {root!r} verifies: " + " | ".join(damaged),
+                     fix="restore the files, or move the folder away to start over")
+    return load(root, like)  # none at all: load's error says so
+
+
+def _verified(folder: str) -> dict[str, Any]:
+    """``folder``'s manifest, once every file it lists has the size and SHA-256 it records."""
     saved = _read_manifest(folder)
     _check_files(folder, saved["files"])
+    return saved
+
+
+def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, int]:
     if like is None:
         paths = [*saved["tensors"], *saved["values"]]
         leaves = [torch.empty(i["shape"], dtype=getattr(torch, i["dtype"])) for i in saved["tensors"].values()]

@@ -35,6 +35,12 @@ class CheckpointError(ValueError):
     __module__ = "shardings.checkpoint"  # its public home, which re-exports it
 
 
+class CheckpointWarning(UserWarning):
+    """A checkpoint skipped on resume (damaged: a file missing, truncated or corrupted); an older one is used."""
+
+    __module__ = "shardings.checkpoint"
+
+
 def _error(problem: str, fix: str, path: str | None = None) -> CheckpointError:
     return sharding_error(problem, fix=fix, path=path, cls=CheckpointError)
 
