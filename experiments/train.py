@@ -9,8 +9,9 @@ With no arguments: ``gpt_tiny`` on the standard library's source bytes, layout `
 
 Each run's directory (Hydra's) gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
 step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position),
-``summary.json`` and ``status.json`` (``{"status": "ran"}``). ``python -m experiments.report
-<multirun dir>`` compares the runs of a sweep.
+``summary.json``, ``layout.json`` (``shardings.describe_layout``: every parameter group's spec per
+role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
+experiments.report <multirun dir>`` compares the runs of a sweep.
 
 A sweep keeps going past an impossible combination (``zero3+tp+sp`` on ``mesh=dp4``): that job is
 skipped with one line, and its ``status.json`` says ``skipped`` and why. A job that fails while
@@ -175,6 +176,10 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     summary = {**_summary(records, setup), "resumed_from": start}
     if main:
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # The step at a glance, for experiments.report's layout_<i>.png: specs per role and a step's collectives.
+        view = shardings.describe_layout(params, axes, setup.layout, setup.mesh,
+                                         comm=records[-1]["comm"] if records else None)
+        Path(out_dir, "layout.json").write_text(json.dumps(view.to_dict(), indent=1) + "\n")
     return summary
 
 
