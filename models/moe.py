@@ -2,10 +2,25 @@
 
 An MoE block replaces the SwiGLU MLP by ``experts`` SwiGLU experts stacked on a leading
 ``expert`` axis and a softmax router: each token goes to its ``top_k`` experts, their outputs
-weighted by the router probabilities renormalized over the chosen ``k`` (Mixtral). Two auxiliary
-losses join the cross-entropy: the load-balancing loss ``E · Σ_e f_e · P_e`` (Switch/GShard:
-``f_e`` the fraction of routed assignments, ``P_e`` the mean router probability of expert ``e``)
-and the router z-loss ``mean(logsumexp(logits)²)`` (ST-MoE), both over the global batch.
+weighted by the router probabilities renormalized over the chosen ``k`` (Mixtral).
+
+**Auxiliary losses, per sequence.** Two router losses join the cross-entropy, each computed for
+every sequence (batch row) ``r`` from its own tokens: the load-balancing loss
+``LB_r = E · Σ_e f_{e,r} · P_{e,r}`` (Switch/GShard's form; ``f_{e,r}`` the fraction of the row's
+``top_k`` assignments routed to expert ``e``, ``P_{e,r}`` the row's mean router probability of
+``e``; 1 when balanced) and the router z-loss ``z_r`` = the mean over the row's tokens of
+``logsumexp(logits)²`` (ST-MoE). :func:`loss` weighs the rows as the cross-entropy weighs tokens:
+``aux = Σ_r n_r · aux_r / Σ_r n_r``, ``n_r`` the row's labels ≠ ``ignore_index`` (a row whose
+labels are all ignored still routes its tokens but adds no aux loss). Balancing per sequence is
+DeepSeek-V3's "complementary sequence-wise auxiliary loss" (arXiv:2412.19437, §2.1.2).
+
+Why per row: the row is already the routing group (capacity below), and the whole loss becomes a
+token-weighted sum over rows, so any split of the batch by rows (data-parallel ranks, each
+weighted by its token share; accumulation microbatches; both) reproduces the single-device loss
+and gradients exactly (in exact arithmetic; only rounding differs), with no collective for the
+statistics. Statistics over the whole batch could not be split so: a microbatch cannot see the
+other microbatches' tokens, and the local train-step path runs the loss on each rank's rows
+with no mesh (``shardings.local_step``), so it has no all-reduce to call.
 
 **Capacity.** Each sequence (batch row) is a routing group: expert ``e`` takes at most
 ``C = ceil(capacity_factor · seq · top_k / experts)`` of a row's assignments, first choices of
@@ -42,7 +57,7 @@ import torch.nn.functional as F
 import core
 from models import gpt
 from models.layers import cross_entropy, einsum, next_token_batch, rms_norm
-from shardings import P, all_to_all, axis_size, constrain, current, logical_to_spec, psum, shard_map
+from shardings import P, all_to_all, constrain, current, logical_to_spec, psum, shard_map
 from shardings.errors import sharding_error
 
 __all__ = ["Config", "apply", "apply_with_aux", "axes", "capacity", "example_batch", "init", "loss", "moe_mlp"]
@@ -152,22 +167,18 @@ def axes(cfg: Config) -> Params:
 # -- the MoE MLP on one rank's tokens ----------------------------------------------------------------
 
 
-def _route(x: torch.Tensor, router: torch.Tensor, cfg: Config, token_axes: tuple[str, ...]):
-    """Top-k routing of ``x: (b, s, dim)``: expert ids, renormalized weights, and the global aux losses."""
+def _route(x: torch.Tensor, router: torch.Tensor, cfg: Config):
+    """Top-k routing of ``x: (b, s, dim)``: expert ids, renormalized weights, and each row's aux losses ``(b,)``."""
     logits = einsum(x.float(), router.float(), "b s e, e x -> b s x")  # (b, s, experts), float32
     probs = torch.softmax(logits, dim=-1)
     top_p, top_i = probs.topk(cfg.top_k, dim=-1)  # (b, s, k)
     weights = top_p / top_p.sum(-1, keepdim=True)
     chosen = F.one_hot(top_i, cfg.experts).float()  # (b, s, k, experts)
-    stats = (chosen.sum((0, 1, 2)), probs.sum((0, 1)), torch.logsumexp(logits, -1).pow(2).sum())
-    tokens = x.shape[0] * x.shape[1]
-    if token_axes:  # the losses are over the global batch: sum the statistics of every token shard
-        stats = psum(stats, token_axes)
-        tokens *= axis_size(token_axes)
-    counts, prob_sum, z_sum = stats
-    aux = {
-        "load_balance": cfg.experts * ((counts / (tokens * cfg.top_k)) * (prob_sum / tokens)).sum(),
-        "z_loss": z_sum / tokens,
+    seq = x.shape[1]
+    f = chosen.sum((1, 2)) / (seq * cfg.top_k)  # (b, experts): the row's share of assignments per expert
+    aux = {  # per row: the row is the group (as capacity's), so no statistic crosses rows or ranks
+        "load_balance": cfg.experts * (f * probs.mean(1)).sum(-1),
+        "z_loss": torch.logsumexp(logits, -1).pow(2).mean(-1),
     }
     return top_i, weights, chosen, aux
 
@@ -189,11 +200,14 @@ def _experts(buf: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     return einsum(hidden, w_down, "x t f, x f e -> x t e")
 
 
-def _moe_local(x, router, w_gate, w_up, w_down, *, cfg: Config, token_axes=(), ep_axes=(), tp_axes=()):
-    """The MoE MLP on this rank's whole rows ``x: (b, s, dim)``; experts local, or routed over ``ep_axes``."""
+def _moe_local(x, router, w_gate, w_up, w_down, *, cfg: Config, ep_axes=(), tp_axes=()):
+    """The MoE MLP on this rank's whole rows ``x: (b, s, dim)``; experts local, or routed over ``ep_axes``.
+
+    Returns the output ``(b, s, dim)`` and the rows' aux losses ``{"load_balance", "z_loss"}``, each ``(b,)``.
+    """
     b, s, dim = x.shape
     cap, experts = capacity(cfg, s), cfg.experts
-    top_i, weights, chosen, aux = _route(x, router, cfg, token_axes)
+    top_i, weights, chosen, aux = _route(x, router, cfg)
     slot, keep = _slots(chosen, top_i, cap, experts)
     row_slots = experts * cap + 1  # one dummy slot per row receives the dropped assignments
     index = (slot + _arange(slot, b)[:, None, None] * row_slots).flatten()  # (b·s·k,) into (b·row_slots, dim)
@@ -223,20 +237,24 @@ def _entry(axes: tuple[str, ...]) -> Any:
 
 
 def moe_mlp(p: Params, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]:
-    """The MoE MLP of one block on ``x: (batch, seq, dim)``: output and ``{"load_balance", "z_loss"}``.
+    """The MoE MLP of one block on ``x: (batch, seq, dim)``: output and each row's aux losses.
+
+    The aux losses ``{"load_balance", "z_loss"}`` are ``(batch,)`` tensors: row ``r``'s ``LB_r`` and
+    ``z_r`` (module docstring), computed from that row's tokens only.
 
     Under an active mesh it runs inside ``shard_map``: tokens stay split over the data axes the
     rules give ``batch`` (minus the experts' ``mlp`` axes; rows are kept whole so capacity groups
-    do not depend on the layout), experts over the axes of ``expert`` (all-to-all dispatch) and
-    their hidden dim over the axes of ``mlp`` (psum of partial outputs).
+    and aux losses do not depend on the layout), experts over the axes of ``expert`` (all-to-all
+    dispatch) and their hidden dim over the axes of ``mlp`` (psum of partial outputs). The aux
+    losses come out split over the batch like the tokens: no collective computes them.
 
     Raises:
         ShardingError: ``experts`` not divisible by the expert-parallel ranks.
 
     >>> cfg = Config(layers=2)
     >>> y, aux = moe_mlp(init(core.random.key(0), cfg)["blocks"][1], torch.randn(2, 8, cfg.dim), cfg)
-    >>> y.shape, sorted(aux)
-    (torch.Size([2, 8, 128]), ['load_balance', 'z_loss'])
+    >>> y.shape, {k: tuple(v.shape) for k, v in aux.items()}
+    (torch.Size([2, 8, 128]), {'load_balance': (2,), 'z_loss': (2,)})
     """
     weights = (p["router"], p["w_gate"], p["w_up"], p["w_down"])
     ctx = current()
@@ -253,10 +271,10 @@ def moe_mlp(p: Params, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]
             mesh=mesh,
         )
     token_axes = tuple(a for a in logical_to_spec(RESIDUAL, rules, mesh).dim_axes()[0] if a not in tp_axes)
-    x_spec = P(_entry(token_axes))
+    x_spec = P(_entry(token_axes))  # the tokens' rows, and the (batch,) aux losses: split alike
     w_in, w_out = P(_entry(ep_axes), None, _entry(tp_axes)), P(_entry(ep_axes), _entry(tp_axes))
-    local = functools.partial(_moe_local, cfg=cfg, token_axes=token_axes, ep_axes=ep_axes, tp_axes=tp_axes)
-    return shard_map(local, mesh, (x_spec, P(), w_in, w_in, w_out), (x_spec, P()))(x, *weights)
+    local = functools.partial(_moe_local, cfg=cfg, ep_axes=ep_axes, tp_axes=tp_axes)
+    return shard_map(local, mesh, (x_spec, P(), w_in, w_in, w_out), (x_spec, x_spec))(x, *weights)
 
 
 # -- the model ----------------------------------------------------------------------------------------
@@ -269,12 +287,14 @@ def _block(p: Params, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]:
 
 
 def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, Aux]:
-    """Logits ``(batch, seq, vocab)`` and the auxiliary losses summed over the MoE blocks.
+    """Logits ``(batch, seq, vocab)`` and the rows' auxiliary losses ``(batch,)`` summed over the MoE blocks.
+
+    ``aux`` is ``{"load_balance", "z_loss"}`` (empty when no block is MoE); :func:`loss` weighs its rows.
 
     >>> cfg = Config(layers=2)
     >>> logits, aux = apply_with_aux(init(core.random.key(0), cfg), torch.zeros(2, 4, dtype=torch.int64), cfg)
-    >>> logits.shape
-    torch.Size([2, 4, 256])
+    >>> logits.shape, aux["z_loss"].shape
+    (torch.Size([2, 4, 256]), torch.Size([2]))
     """
     x = gpt.embed(params, tokens)  # (batch, seq, dim)
     dense, sparse = functools.partial(gpt._block, cfg=cfg), functools.partial(_block, cfg=cfg)
@@ -303,6 +323,13 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
 def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
     """Cross-entropy + ``aux_loss_coef`` · load-balancing loss + ``z_loss_coef`` · router z-loss.
 
+    The aux losses are per row (module docstring), combined as the cross-entropy combines tokens:
+    each row weighs its counted labels (``labels != ignore_index``), ``Σ_r n_r · aux_r / Σ_r n_r``
+    (0 when every label is ignored). So the loss of a batch is its rows' token-weighted sum, and
+    any split of it by rows, weighted by token share, adds up to it exactly: what
+    :func:`shardings.train_step` does per rank and microbatch, as long as its ``token_count``
+    counts the same labels (the default counts labels ≠ -100, this config's default ``ignore_index``).
+
     >>> cfg = Config(layers=2)
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
@@ -312,7 +339,18 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     ce = cross_entropy(logits, labels, cfg.ignore_index)
     if not aux:
         return ce
-    return ce + cfg.aux_loss_coef * aux["load_balance"] + cfg.z_loss_coef * aux["z_loss"]
+    per_row = cfg.aux_loss_coef * aux["load_balance"] + cfg.z_loss_coef * aux["z_loss"]  # (batch,)
+    return ce + _weigh_rows(per_row, labels, cfg.ignore_index)
+
+
+def _weigh_rows(per_row: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``Σ_r n_r · per_row_r / Σ_r n_r`` with ``n_r`` row ``r``'s labels ≠ ``ignore_index`` (0 if none counts).
+
+    The rows' weights are the cross-entropy's token counts, so a rank or microbatch weighted by its token
+    share contributes exactly its rows' part of the whole batch's value.
+    """
+    counted = (labels != ignore_index).float().sum(-1)  # (batch,)
+    return (counted * per_row).sum() / counted.sum().clamp(min=1.0)
 
 
 def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:
