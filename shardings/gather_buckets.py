@@ -16,9 +16,9 @@ Communication overlaps as on the local path (:mod:`shardings.local_step`): the l
 placeholders (:mod:`shardings.lazy_params`), a bucket is gathered when first used while the next
 one's gather is in flight, and a block's weights are dropped when the next block's are needed; in
 backward, re-gathering a bucket launches the gather of the bucket backward needs next (the reverse
-of the order autograd first saved them in); a bucket's reduce-scatter is launched and left in
-flight, its gradients are views of the pending result, awaited by :func:`settle` once backward is
-done.
+of the order autograd first saved them in: :class:`~shardings.gather_params.Regather`); a bucket's
+reduce-scatter is launched and left in flight, its gradients are views of the pending result, awaited
+by :func:`settle` once backward is done.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import flat_comm as fc
-from shardings.gather_params import register, to_compute
+from shardings.gather_params import Regather, active, to_compute
 from shardings.lazy_params import Gathers
 
 __all__ = ["gather"]
@@ -55,15 +55,15 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
         else:
             at[i] = where
     bucketed, kept = fc.unit_buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb, units)
-    saved_order: list[_Bucket] = []  # buckets in the order autograd first saved one of their weights
     buckets = [_Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
-                       [shards[i].detach() for i in b], saved_order) for b in bucketed]
+                       [shards[i].detach() for i in b]) for b in bucketed]
+    regather = active()
 
     def build(k: int, flat: torch.Tensor) -> tuple[DTensor, ...]:
-        fulls = _GatherBucket.apply(buckets[k], flat, *(shards[i] for i in bucketed[k]))
-        if k not in kept:  # else autograd keeps them: no backward re-gather
-            for pos, full in enumerate(fulls):
-                register(full, _Saved(buckets[k], pos))
+        bucket = buckets[k]
+        fulls = _GatherBucket.apply(bucket, flat, *(shards[i] for i in bucketed[k]))
+        if k not in kept and regather is not None:  # else autograd keeps them: no backward re-gather
+            bucket.regather = regather, regather.add(fulls, bucket.launch, bucket.assemble)
         return fulls
 
     forward = Gathers(len(buckets), kept, lambda k: buckets[k].launch(), build)
@@ -82,52 +82,21 @@ def settle(grads: Sequence[torch.Tensor | None], gathers: Gathers) -> list[torch
 
 
 class _Bucket:
-    """One bucket's leaves: how to gather them all with one collective, and the copy backward re-gathered."""
+    """One bucket's leaves: how to gather them all with one collective (forward, and backward's re-gather)."""
 
-    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor], saved_order: list[_Bucket]):
-        self.at, self.placements, self.shards, self.saved_order = at, placements, shards, saved_order
+    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor]):
+        self.at, self.placements, self.shards = at, placements, shards
         self.comm = fc.Comm(shards[0].device_mesh, (at[0][0],))
-        self.pending: torch.Tensor | None = None  # a launched backward re-gather (prefetched)
-        self.cached: tuple[DTensor, ...] | None = None  # the backward re-gather, until the bucket's backward ends
-        self.done = False  # its backward has run
+        self.regather: tuple[Regather, int] | None = None  # where its backward re-gather is registered
 
     def launch(self) -> torch.Tensor:
         return fc.launch_gather(self.comm, [s.to_local() for s in self.shards], self.at[0])
 
-    def assemble(self, flat: torch.Tensor, shards: Sequence[DTensor]) -> tuple[DTensor, ...]:
+    def assemble(self, flat: torch.Tensor, shards: Sequence[DTensor] | None = None) -> tuple[DTensor, ...]:
+        shards = self.shards if shards is None else shards
         blocks = [s.to_local() for s in shards]
         fulls = fc.assemble(self.comm, flat, blocks, list(self.at))
         return tuple(fc.dtensor(f, self.comm.mesh, pl, s) for f, pl, s in zip(fulls, self.placements, shards))
-
-    def regathered(self, pos: int) -> DTensor:
-        """Leaf ``pos`` gathered again for backward: the first leaf asked for gathers the whole bucket,
-        and launches the gather of the bucket backward reaches next."""
-        if self.cached is None:
-            self.cached = self.assemble(self.pending if self.pending is not None else self.launch(), self.shards)
-            self.pending = None
-            k = self.saved_order.index(self) if self in self.saved_order else 0
-            nxt = self.saved_order[k - 1] if k > 0 else None
-            if nxt is not None and not nxt.done and nxt.cached is None and nxt.pending is None:
-                with torch.no_grad():
-                    nxt.pending = nxt.launch()
-        return self.cached[pos]
-
-
-class _Saved:
-    """What :func:`~shardings.gather_params.register` holds for a gathered weight: re-gathers it
-    (``__call__``) and notes its bucket's first save, which orders the backward prefetch."""
-
-    __slots__ = ("bucket", "pos")
-
-    def __init__(self, bucket: _Bucket, pos: int):
-        self.bucket, self.pos = bucket, pos
-
-    def __call__(self) -> DTensor:
-        return self.bucket.regathered(self.pos)
-
-    def on_save(self) -> None:
-        if self.bucket not in self.bucket.saved_order:
-            self.bucket.saved_order.append(self.bucket)
 
 
 def _gathered_at(s: DTensor, placements: Sequence[Any]) -> tuple[int, int] | None:
@@ -161,7 +130,9 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: DTensor | None) -> tuple[DTensor | None, ...]:
         bucket = ctx.bucket
-        bucket.cached, bucket.done = None, True
+        if bucket.regather is not None:  # every use of the re-gathered weights is behind us: free them
+            regather, k = bucket.regather
+            regather.release(k)
         dm, m = bucket.comm.mesh, bucket.at[0][0]
         out: list[DTensor | None] = [None] * len(grads)
         summed: list[tuple[int, torch.Tensor]] = []  # (leaf, local gradient) Partial(sum) over m

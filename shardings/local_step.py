@@ -24,7 +24,7 @@ equivalence tests run both); :func:`plan` returns ``None`` for layouts this does
 
 from __future__ import annotations
 
-import weakref
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from core import optim, tree
 from core.optim.fused import fusable
 from shardings import flat_comm as fc
+from shardings.gather_params import Regather
 from shardings.layouts import LOGICAL_NAMES, Layout
 from shardings.lazy_params import Gathers
 from shardings.mesh import Mesh
@@ -117,13 +118,12 @@ def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: La
 
 # -- one step ------------------------------------------------------------------------------------------
 class _Gathered:
-    """Stored-sharded buckets: gathered before the loss, re-gathered in backward, reduce-scattered."""
+    """Stored-sharded buckets: gathered before the loss, re-gathered in backward (``Regather``), reduce-scattered."""
 
     def __init__(self, comm: fc.Comm, lp: LocalPlan, shards: list[torch.Tensor]):
         self.comm, self.lp, self.shards = comm, lp, shards
-        self.full: dict[int, weakref.ref] = {}  # id(full tensor) -> (ref, bucket, position)
-        self.cache: dict[int, Any] = {}  # bucket -> gathered flat (re-gathered in backward)
-        self.backward_order: list[int] = []
+        self.regather = Regather()
+        self.registered: dict[int, int] = {}  # bucket -> its id in self.regather
         self.forward_gathers = Gathers(len(lp.gathers), lp.kept, self._launch, self._build)
 
     def forward(self) -> dict[int, torch.Tensor]:
@@ -132,49 +132,20 @@ class _Gathered:
         return self.forward_gathers.placeholders(self.lp.gathers, self.shards, lambda i: _full_shape(self, i))
 
     def _build(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        b = self.lp.gathers[k]
-        fulls = list(_GatherBucket.apply(self, k, flat, *[self.shards[i] for i in b]))
-        for pos, f in enumerate(fulls):
-            for t in (f,) if f._base is None else (f, f._base):  # a one-leaf bucket's is a view of the gathered buffer
-                self.full[id(t)] = (weakref.ref(t), k, pos)
+        fulls = list(_GatherBucket.apply(self, k, flat, *[self.shards[i] for i in self.lp.gathers[k]]))
+        if k not in self.lp.kept:  # else autograd keeps them: no backward re-gather
+            self.registered[k] = self.regather.add(fulls, functools.partial(self._launch, k),
+                                                   functools.partial(self._assemble, k))
         return fulls
 
-    def pack(self, t: torch.Tensor) -> Any:
-        base = t._base if t._base is not None else t
-        hit = self.full.get(id(base))
-        if hit is None or hit[0]() is not base or hit[1] in self.lp.kept:
-            return t
-        if hit[1] not in self.backward_order:
-            self.backward_order.insert(0, hit[1])  # backward visits buckets in reverse first-save order
-        return (_Regather, hit[1], hit[2], t.size(), t.stride(), t.storage_offset())
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if not (isinstance(saved, tuple) and saved and saved[0] is _Regather):
-            return saved
-        _, k, pos, size, stride, offset = saved
-        full = self.bucket(k)[pos]
-        nxt = self.backward_order.index(k) + 1 if k in self.backward_order else len(self.backward_order)
-        if nxt < len(self.backward_order) and self.backward_order[nxt] not in self.cache:  # prefetch
-            self.cache[self.backward_order[nxt]] = self._launch(self.backward_order[nxt])
-        return full.as_strided(size, stride, offset)
-
-    def bucket(self, k: int) -> list[torch.Tensor]:
-        got = self.cache.get(k)
-        if not isinstance(got, list):
-            flat = got if got is not None else self._launch(k)
-            b = self.lp.gathers[k]
-            shards, at = [self.shards[i] for i in b], [self.lp.stored[i] for i in b]
-            got = self.cache[k] = fc.assemble(self.comm, flat, shards, at)
-        return got
+    def _assemble(self, k: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        b = self.lp.gathers[k]
+        return fc.assemble(self.comm, flat, [self.shards[i] for i in b], [self.lp.stored[i] for i in b])
 
     def _launch(self, k: int) -> torch.Tensor:
         b = self.lp.gathers[k]
         with torch.no_grad():  # the gather's backward is _GatherBucket's, not autograd's
             return fc.launch_gather(self.comm, [self.shards[i].detach() for i in b], self.lp.stored[b[0]])
-
-
-class _Regather:  # a marker in saved-tensor tuples
-    pass
 
 
 class _GatherBucket(torch.autograd.Function):
@@ -187,7 +158,8 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         owner, b = ctx.owner, ctx.owner.lp.gathers[ctx.k]
-        owner.cache.pop(ctx.k, None)  # every user of this bucket has run its backward: free it
+        if ctx.k in owner.registered:  # every user of this bucket has run its backward: free it
+            owner.regather.release(owner.registered[ctx.k])
         grads = [torch.zeros(_full_shape(owner, i), dtype=owner.shards[i].dtype) if g is None else g
                  for i, g in zip(b, grads)]
         target = [owner.lp.target[i] for i in b]
@@ -241,7 +213,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
         gathered = _Gathered(comm, lp, local)
         hooks = [local[i].register_hook(on_grad(j, i)) for j, b in enumerate(lp.reduces) for i in b] if last else []
         try:
-            with torch.autograd.graph.saved_tensors_hooks(gathered.pack, gathered.unpack):
+            with gathered.regather.saving():
                 fulls = gathered.forward()
                 compute = cast([fulls.get(i, x) for i, x in enumerate(local)])
                 del fulls

@@ -268,7 +268,7 @@ def test_persistent_memory_per_rank_matches_zero_stages(layout, params, grads, o
 def _saved_for_backward(layout, mesh, cfg, monkeypatch, local):
     """Bytes autograd keeps alive for backward (per rank, max): what the step's saved-tensor hook keeps."""
     held = []
-    owner, name = (local_step._Gathered, "pack") if local else (gather_params, "_pack")
+    owner, name = gather_params.Regather, "pack"  # both paths save through it
     pack = getattr(owner, name)
 
     def recording_pack(*args):
