@@ -10,8 +10,9 @@ LOCK          := requirements.lock
 PIP_TOOLS     := pip-tools==7.6.2
 PYTEST_ARGS ?=
 EXPLORE_SECONDS ?= 600
+MUTANTS_ARGS ?=
 
-.PHONY: install test lint clean train lock test-latest test-explore
+.PHONY: install test lint clean train lock test-latest test-explore mutants
 
 install: $(VENV)/.installed
 
@@ -55,6 +56,11 @@ test-explore: install
 	HYPOTHESIS_PROFILE=explore timeout --signal=INT $(EXPLORE_SECONDS) \
 	  $(BIN)/python -m pytest -m hypothesis $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 124 ] || [ $$rc -eq 130 ]; then echo "explore: time limit ($(EXPLORE_SECONDS) s) reached"; exit 0; fi; exit $$rc
+
+# Mutation drill: plant each bug listed in tests/mutants.py in a copy of the tree, run the tests meant to catch it,
+# print the kill rate; fails on a survivor not in EQUIVALENT. MUTANTS_ARGS="--only ID ..." or "--list".
+mutants: install
+	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-lock .venv-latest .pytest_cache .hypothesis .ruff_cache outputs multirun
