@@ -13,7 +13,7 @@ import core
 import models.gpt as gpt
 import shardings
 from core import tree
-from shardings import Mesh, buckets, gather_params, layouts, local_step
+from shardings import Mesh, buckets, gather_params, layouts
 from shardings.testing import EquivalenceError, check_equivalence, meshes
 from shardings.testing import layouts as layout_strategy
 
