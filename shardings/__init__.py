@@ -1,6 +1,6 @@
 """The spec language and its lowering: meshes, specs, logical rules, shard_map, runtimes, accounting."""
 
-from shardings import checkpoint, layouts, testing
+from shardings import checkpoint, layouts, module_tp, testing
 from shardings.accounting import Comms, comms, memory
 from shardings.blockwise import blockwise
 from shardings.collectives import all_gather, all_to_all, axis_index, axis_size, pmean, ppermute, psum, psum_scatter
@@ -48,6 +48,7 @@ __all__ = [
     "logical_to_spec",
     "logical_to_specs",
     "memory",
+    "module_tp",
     "partial_axes",
     "per_rank",
     "pmean",

@@ -38,6 +38,7 @@ from shardings.errors import sharding_error
 from shardings.gather_params import regather_in_backward
 from shardings.initialize import param_specs
 from shardings.mesh import Mesh, P
+from shardings.module_tp import dtensor_errors
 from shardings.rules import logical_to_spec
 from shardings.simulate import per_rank, unwrap
 
@@ -135,7 +136,7 @@ class TrainStep:
         try:
             for mb in self._microbatches(batch):
                 weight = self.token_count(mb) / total_tokens
-                with use(self.mesh, self.layout), regather_in_backward():
+                with use(self.mesh, self.layout), regather_in_backward(), dtensor_errors():
                     compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb,
                                                              plan.units)
                     compute = self._cast_compute(compute)
