@@ -1,6 +1,6 @@
 """Layouts with context (cp) and expert (ep) parallelism train like one device: loss, grads and params after
 3 AdamW steps (simulated ranks), and 2 steps on 4 real gloo processes. The fixed ep compositions of the MoE
-model run in tests/models/test_moe.py (this file stays under ~90 s); random meshes here draw them too."""
+model run in tests/models/test_moe_layouts.py (this file stays under ~90 s); random meshes here draw them too."""
 
 import functools
 
