@@ -23,11 +23,11 @@ The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side 
 ranks): median step time after warm-up (each side launched ``--rounds`` times, alternated: on a
 shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
 memory**: the most bytes live tensors held at once during one warm-up step, the parameters and
-optimizer state included (:func:`shardings.peak_memory.peak_memory`, what
+optimizer state included (:func:`shardings.comm.peak_memory.peak_memory`, what
 ``torch.cuda.max_memory_allocated`` reports on a GPU; CPU tensors have no allocator counter); the
 growth of the process's max RSS over the run (code, Python objects and what malloc keeps count there
 too: noisy); and comm bytes per rank per step,
-*measured* by ``shardings.accounting.comms()`` around the first step: it sees DDP's bucket
+*measured* by ``shardings.comm.accounting.comms()`` around the first step: it sees DDP's bucket
 all-reduces, FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the
 dispatcher as c10d ops). Both counters are dispatch modes, so neither sees inside an op DTensor
 dispatches: the torch side's ``loss_parallel`` all-reduces of a few floats per token (~0.1% of
@@ -60,7 +60,7 @@ import models.gpt as gpt
 import shardings
 from experiments import native_gpt
 from experiments.tables import write_csv
-from shardings.peak_memory import PeakMemory, peak_memory
+from shardings.comm.peak_memory import PeakMemory, peak_memory
 
 
 class _Config(NamedTuple):

@@ -97,7 +97,7 @@ def whole_step_tracing() -> Iterator[None]:
             "whole_step_tracing assumes shardings.current() is None, but a mesh is active. "
             "Fix: compile the single-device step outside shardings.use(...)."
         )
-    current = shardings.context.current
+    current = shardings.spec.context.current
     current._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
     try:
         with torch._dynamo.config.patch(trace_autograd_ops=True):

@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 import core
 import models
 from core import deferred, tree
-from shardings import layouts
-from shardings.initialize import param_specs
-from shardings.layouts import Layout
-from shardings.mesh import Mesh
-from shardings.rules import logical_to_spec
+from shardings.spec import layouts
+from shardings.spec.layouts import Layout
+from shardings.spec.mesh import Mesh
+from shardings.spec.rules import logical_to_spec
+from shardings.step.initialize import param_specs
 
 __all__ = ["ConfigError", "Setup", "build", "optimizer", "pretrained"]
 

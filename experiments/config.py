@@ -3,7 +3,7 @@
 Groups (pick one member each on the command line, ``group=member``):
 
 - ``model``: ``mlp``, ``gpt_tiny``, ``gpt_small``, ``moe_tiny`` (needs ``models.moe``).
-- ``layout``: every preset of ``shardings.layouts`` and every valid ``+`` composition of them
+- ``layout``: every preset of ``shardings.spec.layouts`` and every valid ``+`` composition of them
   (``dp``, ``zero3``, ``zero3+tp``, ``zero3+tp+sp``, ``hsdp+tp``, ...), in any order on the command
   line (``layout=sp+tp`` is ``tp+sp``), as in Python.
 - ``mesh``: sizes by axis name, major to minor (``dp4``, ``dp2_tp2``, ``fsdp2_tp2``, ...).
@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from shardings import layouts
+from shardings.spec import layouts
 
 __all__ = [
     "MESHES",
@@ -57,7 +57,7 @@ class ModelConf:
 
 @dataclass
 class LayoutConf:
-    """A layout preset or ``+`` composition, as ``shardings.layouts.get`` takes it."""
+    """A layout preset or ``+`` composition, as ``shardings.spec.layouts.get`` takes it."""
 
     name: str = "dp"
 

@@ -9,7 +9,7 @@ token of the next); rows are shuffled by a seeded permutation per epoch.
 Batch ``position`` (the number of global batches already consumed) fixes everything: which rows,
 in which order. A :class:`DataState` is that position, so saving it and resuming continues the
 same token stream exactly. Each rank builds only its block of the global batch — the block the
-layout's ``batch`` spec gives it (``shardings.lower.local_block``) — as a DTensor, so no rank
+layout's ``batch`` spec gives it (``shardings.spec.lower.local_block``) — as a DTensor, so no rank
 reads or holds another rank's rows.
 """
 
@@ -26,11 +26,11 @@ import torch
 from torch.distributed._local_tensor import rank_map
 from torch.distributed.tensor import DTensor
 
-from shardings import layouts, lower
-from shardings.errors import sharding_error
-from shardings.lower import coords_of_rank
-from shardings.mesh import Mesh, P
-from shardings.rules import logical_to_spec
+from shardings.spec import layouts, lower
+from shardings.spec.errors import sharding_error
+from shardings.spec.lower import coords_of_rank
+from shardings.spec.mesh import Mesh, P
+from shardings.spec.rules import logical_to_spec
 
 __all__ = ["DataState", "Packed", "batch_spec", "load_corpus", "read_files", "stdlib_files"]
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 import models.gpt as gpt
 from models import layers
 from models.layers import attention, cross_entropy
-from shardings.errors import sharding_error
+from shardings.spec.errors import sharding_error
 
 __all__ = ["NativeGpt", "from_params", "parallelize", "to_params", "tp_plan"]
 

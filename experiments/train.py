@@ -49,8 +49,8 @@ from experiments.config import register
 from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
 from shardings import checkpoint
-from shardings.initialize import init as sharded_init
-from shardings.train_step import train_step
+from shardings.step.initialize import init as sharded_init
+from shardings.step.train_step import train_step
 
 __all__ = ["human_bytes", "main", "run", "run_rank"]
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from shardings import attention as layout_attention
 from shardings import blockwise, constrain, einsum
-from shardings.vocab_parallel import embedding, nll
+from shardings.ops.vocab_parallel import embedding, nll
 
 __all__ = [
     "arange_like",
@@ -131,7 +131,7 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Mean float32 cross-entropy over the labels that are not ``ignore_index``.
 
-    Per token :func:`shardings.vocab_parallel.nll`: on vocab-sharded logits each rank works on its own
+    Per token :func:`shardings.ops.vocab_parallel.nll`: on vocab-sharded logits each rank works on its own
     block and only per-token values are reduced (the vocab-parallel loss), never whole rows. A batch
     whose labels are all ignored gives 0, not NaN.
 

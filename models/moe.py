@@ -20,7 +20,7 @@ weighted by its token share; accumulation microbatches; both) reproduces the sin
 and gradients exactly (in exact arithmetic; only rounding differs), with no collective for the
 statistics. Statistics over the whole batch could not be split so: a microbatch cannot see the
 other microbatches' tokens, and the local train-step path runs the loss on each rank's rows
-with no mesh (``shardings.local_step``), so it has no all-reduce to call.
+with no mesh (``shardings.step.local_step``), so it has no all-reduce to call.
 
 **Capacity.** Each sequence (batch row) is a routing group: expert ``e`` takes at most
 ``C = ceil(capacity_factor · seq · top_k / experts)`` of a row's assignments, first choices of
@@ -58,7 +58,7 @@ import core
 from models import gpt
 from models.layers import cross_entropy, einsum, next_token_batch, rms_norm
 from shardings import P, all_to_all, constrain, current, logical_to_spec, psum, shard_map
-from shardings.errors import sharding_error
+from shardings.spec.errors import sharding_error
 
 __all__ = ["Config", "apply", "apply_with_aux", "axes", "capacity", "example_batch", "init", "loss", "moe_mlp"]
 

@@ -1,23 +1,42 @@
-"""The spec language and its lowering: meshes, specs, logical rules, shard_map, runtimes, accounting."""
+"""shardlab's sharding layer: parallelism declared as specs, lowered to DTensor placements and collectives.
 
-from shardings import checkpoint, layouts, module_tp, testing
-from shardings.accounting import Comms, comms, memory
-from shardings.blockwise import blockwise
-from shardings.collectives import all_gather, all_to_all, axis_index, axis_size, pmean, ppermute, psum, psum_scatter
-from shardings.context import constrain, current, use
-from shardings.distribute import gather, partial_axes, reshard, shard, spec_of
-from shardings.errors import ShardingError
-from shardings.initialize import init
-from shardings.launch import LaunchError, launch
-from shardings.layout_view import describe as describe_layout
-from shardings.local_einsum import einsum
-from shardings.mesh import Mesh, NamedSharding, P
-from shardings.ring_attention import attention
-from shardings.rules import Rules, annotate, logical_to_spec, logical_to_specs
-from shardings.shard_map import shard_map
-from shardings.simulate import per_rank, simulate, unwrap
-from shardings.train_step import TrainStep, train_step
-from shardings.visualize import visualize
+The public surface is this module (``shardings.P``, ``shardings.train_step``, ...). The code lives in
+subpackages by concern, and imports between them go one way — each may import only those before it::
+
+    spec → runtime → comm → residency → ops → step → checkpoint → testing
+
+(``tests/test_architecture.py`` checks it on the source; docs/internals.md walks through them).
+"""
+
+from shardings import checkpoint, testing
+from shardings.comm.accounting import Comms, comms, memory
+from shardings.comm.collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmean,
+    ppermute,
+    psum,
+    psum_scatter,
+)
+from shardings.comm.shard_map import shard_map
+from shardings.ops import module_tp
+from shardings.ops.blockwise import blockwise
+from shardings.ops.local_einsum import einsum
+from shardings.ops.ring_attention import attention
+from shardings.runtime.launch import LaunchError, launch
+from shardings.runtime.simulate import per_rank, simulate, unwrap
+from shardings.spec import layouts
+from shardings.spec.context import constrain, current, use
+from shardings.spec.distribute import gather, partial_axes, reshard, shard, spec_of
+from shardings.spec.errors import ShardingError
+from shardings.spec.mesh import Mesh, NamedSharding, P
+from shardings.spec.rules import Rules, annotate, logical_to_spec, logical_to_specs
+from shardings.spec.visualize import visualize
+from shardings.step.initialize import init
+from shardings.step.layout_view import describe as describe_layout
+from shardings.step.train_step import TrainStep, train_step
 
 __all__ = [
     "Comms",

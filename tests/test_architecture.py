@@ -11,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, root: Path | None = None) -> set[str]:
     """Every module name ``path`` imports (absolute; relative imports resolved against its package)."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    package = ".".join(path.relative_to(root or ROOT).with_suffix("").parts[:-1])
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -51,3 +51,49 @@ def test_the_checker_sees_imports(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert offending("core", ("torch.distributed", "core.x")) == {"core/sneaky.py": ["core.x", "torch.distributed",
                                                                                     "torch.distributed.tensor"]}
+
+
+# shardings/: subpackages by concern, imports one way (shardings/__init__.py's docstring)
+LAYERS = ["spec", "runtime", "comm", "residency", "ops", "step", "checkpoint", "testing"]
+
+
+def layer_violations(root: Path = ROOT) -> dict[str, list[str]]:
+    """Per file under ``shardings/<layer>/``, the shardings imports that go up the order or through the facade
+    (``from shardings import X``: only ``testing``, the top, may use the public surface)."""
+    bad = {}
+    for i, layer in enumerate(LAYERS):
+        for path in sorted((root / "shardings" / layer).rglob("*.py")):
+            hits = []
+            for m in imports(path, root):
+                parts = m.split(".")
+                if parts[0] != "shardings":
+                    continue
+                target = parts[1] if len(parts) > 1 else None
+                if target in LAYERS:
+                    if LAYERS.index(target) > i:
+                        hits.append(m)
+                elif layer != "testing":
+                    hits.append(m)
+            if hits:
+                bad[str(path.relative_to(root))] = sorted(hits)
+    return bad
+
+
+def test_shardings_subpackages_import_one_way():
+    assert layer_violations() == {}
+
+
+def test_shardings_has_no_loose_modules():
+    loose = sorted(p.name for p in (ROOT / "shardings").glob("*.py") if p.name != "__init__.py")
+    packages = sorted(p.name for p in (ROOT / "shardings").iterdir() if (p / "__init__.py").exists())
+    assert loose == [] and packages == sorted(LAYERS)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    for layer in LAYERS:
+        (tmp_path / "shardings" / layer).mkdir(parents=True)
+    (tmp_path / "shardings" / "spec" / "bad.py").write_text(
+        "from shardings.step import train_step\nfrom shardings import Mesh\nfrom shardings.spec import mesh\n")
+    (tmp_path / "shardings" / "step" / "ok.py").write_text("from shardings.spec.mesh import Mesh\n")
+    assert layer_violations(tmp_path) == {"shardings/spec/bad.py": ["shardings", "shardings.Mesh", "shardings.step",
+                                                                   "shardings.step.train_step"]}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardings.layout_view import rules_table
-from shardings.layouts import LOGICAL_NAMES
+from shardings.spec.layouts import LOGICAL_NAMES
+from shardings.step.layout_view import rules_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,7 +39,7 @@ def test_the_rules_table_is_generated_from_the_rules():
     assert found, "docs/models.md lost its <!-- rules-table --> markers"
     assert found.group(1) == rules_table(), (
         "docs/models.md's logical-name table is out of date. Fix: replace it with the output of "
-        "`python -c 'from shardings.layout_view import rules_table; print(rules_table())'`"
+        "`python -c 'from shardings.step.layout_view import rules_table; print(rules_table())'`"
     )
 
 

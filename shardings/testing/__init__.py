@@ -2,6 +2,8 @@
 
 The strategies (``meshes``, ``specs``, ``layouts``) need ``hypothesis`` (a dev dependency) and are
 imported on first use, so ``import shardings`` works without it.
+
+May import: everything in ``shardings``, through its public surface too (the top of the import order).
 """
 
 from typing import Any

@@ -12,13 +12,14 @@ import torch
 
 import core
 from core import tree
-from shardings.distribute import gather
-from shardings.initialize import init as sharded_init
-from shardings.layouts import get as get_layout
-from shardings.mesh import Mesh
-from shardings.simulate import per_rank, simulate
+from shardings.comm.buckets import DEFAULT_BUCKET_MB
+from shardings.runtime.simulate import per_rank, simulate
+from shardings.spec.distribute import gather
+from shardings.spec.layouts import get as get_layout
+from shardings.spec.mesh import Mesh
+from shardings.step.initialize import init as sharded_init
+from shardings.step.train_step import train_step
 from shardings.testing.tolerance import ULPS, diff, tolerance
-from shardings.train_step import train_step
 
 __all__ = ["EquivalenceError", "Report", "Row", "check_equivalence", "compare_trees"]
 
@@ -173,7 +174,7 @@ def _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key,
             "GradientTransformation holds closures that cannot be pickled. Fix: pass a factory, e.g. "
             "optimizer=functools.partial(core.optim.adamw, 1e-3)."
         )
-    from shardings.launch import launch
+    from shardings.runtime.launch import launch
 
     per_rank_steps = launch(_worker, mesh.size, *args)
     return [list(step) for step in zip(*per_rank_steps)]
@@ -199,6 +200,7 @@ def check_equivalence(
     runtime: str = "simulate",
     local: bool = True,
     donate: bool = False,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -233,8 +235,10 @@ def check_equivalence(
         runtime: ``"simulate"`` (ranks in this process) or ``"multiprocess"`` (real processes via
             ``shardings.launch``, gloo on CPU; every function and config passed must be picklable).
         local: the train step's ``local`` option: data-parallel layouts run the loss on local
-            tensors (``shardings.local_step``); ``False`` checks the all-DTensor path.
+            tensors (``shardings.step.local_step``); ``False`` checks the all-DTensor path.
         donate: the train step's ``donate`` option (AdamW's fused kernel in place on local shards).
+        bucket_mb: the train step's bucket size for its flattened collectives: a small one checks
+            several buckets (their boundaries, overlap and ZeRO-3 prefetch) on a small model.
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -252,7 +256,7 @@ def check_equivalence(
     rows: list[Row] = []
     for layout in layouts:
         layout = get_layout(layout)
-        step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate)
+        step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb)
         got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
             for quantity, want in (("loss", ref_loss), ("grads", ref_grads), ("params", ref_params)):

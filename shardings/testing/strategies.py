@@ -1,4 +1,4 @@
-"""Hypothesis strategies for sharding tests: random meshes and valid specs for a shape.
+"""Hypothesis strategies for sharding tests: random meshes, valid specs for a shape, and layouts a mesh can run.
 
 >>> from hypothesis import given, strategies as st
 >>> @given(st.data())
@@ -14,12 +14,13 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from shardings.errors import sharding_error
-from shardings.mesh import Mesh, P
+from shardings.spec.errors import sharding_error
+from shardings.spec.mesh import Mesh, P
 
-__all__ = ["meshes", "specs"]
+__all__ = ["ALL_AXIS_NAMES", "AXIS_NAMES", "layouts", "meshes", "specs"]
 
-AXIS_NAMES = ("dp", "fsdp", "tp")
+AXIS_NAMES = ("dp", "fsdp", "tp")  # meshes()' default: the data and tensor-parallel axes
+ALL_AXIS_NAMES = (*AXIS_NAMES, "cp", "ep")  # every axis a preset uses: meshes(axis_names=ALL_AXIS_NAMES)
 
 
 @st.composite
@@ -76,12 +77,26 @@ def specs(draw: st.DrawFn, shape: Sequence[int], mesh: Mesh) -> P:
 
 
 @st.composite
-def layouts(draw: st.DrawFn, mesh: Mesh | None = None) -> str:
-    """Valid layout compositions (``"zero3+tp+sp"``...), restricted to what ``mesh`` can run when given.
+def layouts(draw: st.DrawFn, mesh: Mesh | None = None, *, context: bool | None = None,
+            experts: bool | None = None) -> str:
+    """Valid layout compositions (``"zero3+tp+sp"``, ``"hsdp+cp"``, ``"dp+tp+ep"``...), restricted to what
+    ``mesh`` can run when given.
 
-    One data-parallel strategy (or none), optionally ``tp``, and ``sp`` only with ``tp``.
+    One data-parallel strategy (or none), optionally ``tp``, ``sp`` only with ``tp``, optionally one
+    context-parallel strategy (``cp`` or ``cp_allgather``), optionally ``ep``; never nothing.
+
+    Args:
+        mesh: draw only presets whose axes the mesh has.
+        context: draw ``cp``/``cp_allgather`` (the model must run ring attention, and its sequence
+            length divide ``2·cp``). Default: when ``mesh`` has a ``cp`` axis; never without a mesh.
+        experts: draw ``ep``. Only a model with expert weights (``models.moe``) has anything to put on
+            ``ep``; for any other, ``ep`` is one more data axis, so pass ``False`` for such a model.
+            Default: when ``mesh`` has an ``ep`` axis; never without a mesh.
+
+    Without ``cp``/``ep`` axes (and without a mesh) the draws are exactly those of the strategy before
+    ``context``/``experts`` existed: the same examples for the same seed.
     """
-    from shardings import layouts as _layouts
+    from shardings.spec import layouts as _layouts
 
     def fits(name: str) -> bool:
         if mesh is None:
@@ -92,14 +107,30 @@ def layouts(draw: st.DrawFn, mesh: Mesh | None = None) -> str:
             return False
         return True
 
+    def wanted(flag: bool | None, axis: str) -> bool:
+        return (mesh is not None and axis in mesh.axis_names) if flag is None else flag
+
+    cps = [c for c in ("cp", "cp_allgather") if fits(c)] if wanted(context, "cp") else []
+    ep = wanted(experts, "ep") and fits("ep")
+    extra = bool(cps) or ep  # another part can make the layout: data and tp become optional
     data = [d for d in ("dp", "zero1", "zero2", "zero3", "hsdp") if fits(d)]
-    parts = [draw(st.sampled_from(data))] if data and draw(st.booleans() if fits("tp") else st.just(True)) else []
-    if fits("tp") and (not parts or draw(st.booleans())):
+    optional_data = fits("tp") or extra
+    parts = [draw(st.sampled_from(data))] if data and draw(st.booleans() if optional_data else st.just(True)) else []
+    if fits("tp") and ((not parts and not extra) or draw(st.booleans())):
         parts.append("tp")
         if draw(st.booleans()):
             parts.append("sp")
+    if cps:
+        cp = draw(st.sampled_from([None, *cps]) if parts or ep else st.sampled_from(cps))
+        parts += [cp] if cp else []
+    if ep and (not parts or draw(st.booleans())):
+        parts.append("ep")
     if not parts:
         raise sharding_error(
-            f"no layout preset fits {mesh!r}", fix="give the mesh a data axis ('dp'/'fsdp') or a 'tp' axis", mesh=mesh
+            f"no layout preset fits {mesh!r}",
+            fix="give the mesh a data axis ('dp'/'fsdp'), a 'tp' axis, or a 'cp'/'ep' axis with context/experts",
+            mesh=mesh,
         )
-    return "+".join(parts)
+    name = "+".join(parts)
+    _layouts.get(name)  # a valid composition (raises otherwise: a bug in this strategy)
+    return name

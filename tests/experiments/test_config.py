@@ -7,7 +7,7 @@ from hydra.core.config_store import ConfigStore
 import models
 from experiments.build import ConfigError, build, optimizer
 from experiments.config import MESHES, MODELS, layout_names, register
-from shardings import layouts
+from shardings.spec import layouts
 
 register()
 

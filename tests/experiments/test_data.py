@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from experiments.data import DataState, Packed, batch_spec, load_corpus, read_files, stdlib_files
-from shardings import Mesh, lower, per_rank, simulate
-from shardings.lower import coords_of_rank
+from shardings import Mesh, per_rank, simulate
+from shardings.spec import lower
+from shardings.spec.lower import coords_of_rank
 
 STREAM = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import core
 import shardings
 from models import gpt, moe
-from shardings import Mesh, P, ShardingError, comms, layouts, per_rank, shard, use
+from shardings import Mesh, P, ShardingError, comms, per_rank, shard, use
+from shardings.spec import layouts
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 WEIGHTS = ("router", "w_gate", "w_up", "w_down")
@@ -165,10 +166,11 @@ def test_tp_inside_experts_with_ep():
 def test_model_structure_and_loss():
     cfg = dataclasses.replace(CFG, layers=4)
     params, names = moe.init(core.random.key(0), cfg), moe.axes(cfg)
-    assert core.tree.structure(params) == core.tree.structure(names, is_leaf=shardings.rules.is_names)
+    assert core.tree.structure(params) == core.tree.structure(names, is_leaf=shardings.spec.rules.is_names)
     assert [("router" in b) for b in params["blocks"]] == [False, True, False, True]
     assert params["blocks"][0].keys() == gpt.init(core.random.key(0), cfg)["blocks"][0].keys()
-    for leaf, leaf_names in zip(core.tree.leaves(params), core.tree.leaves(names, is_leaf=shardings.rules.is_names)):
+    named = core.tree.leaves(names, is_leaf=shardings.spec.rules.is_names)
+    for leaf, leaf_names in zip(core.tree.leaves(params), named):
         assert leaf.ndim == len(leaf_names)
     batch = moe.example_batch(cfg, 3, seed=1, with_ignored=True)  # counted labels per row: 4, 7, 6
     logits, aux = moe.apply_with_aux(params, batch["tokens"], cfg)

@@ -10,7 +10,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import core
 from shardings import Mesh, P, reshard, shard, simulate
-from shardings.accounting import comms, memory, recorded_as
+from shardings.comm.accounting import comms, memory, recorded_as
 
 MESHES = {"dp2_tp2": Mesh(dp=2, tp=2), "dp4": Mesh(dp=4)}
 

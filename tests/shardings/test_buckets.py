@@ -1,4 +1,4 @@
-"""shardings.buckets: bucketed reduction equals the per-leaf one, with one collective per bucket."""
+"""shardings.comm.buckets: bucketed reduction equals the per-leaf one, with one collective per bucket."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import shardings
-from shardings import Mesh, accounting, buckets
+from shardings import Mesh
+from shardings.comm import accounting, buckets
 
 
 def _partial(shape, mesh, placements, seed):

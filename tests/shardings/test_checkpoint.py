@@ -80,7 +80,8 @@ TARGETS_4 = {
 
 
 def four_ranks(root):
-    """zero3 on dp=4: save; load as zero3+tp+sp on dp=2×tp=2 and as hsdp on dp=2×fsdp=2; save (async) from the first."""
+    """zero3 on dp=4: save; load as zero3+tp+sp on dp=2×tp=2 and as hsdp on dp=2×fsdp=2; save (async) from the first.
+    Returns the saved values, the loaded ones, and this rank's blocks of the zero3+tp+sp state."""
     source = train_state("zero3", Mesh(dp=4), steps=1)
     checkpoint.save(os.path.join(root, "zero3"), source, step=1)
     loaded = {}
@@ -90,9 +91,10 @@ def four_ranks(root):
         assert step == 1 and specs(state) == specs(like), name
         loaded[name] = full_values(state)
         if name.startswith("zero3+tp+sp"):
+            blocks = blocks_here(state)
             pending = checkpoint.save(os.path.join(root, "zero3_tp_sp"), state, step=2, async_=True)
     pending.wait()
-    return full_values(source), loaded
+    return full_values(source), loaded, blocks
 
 
 def two_ranks(root):
@@ -108,10 +110,14 @@ def two_ranks(root):
 @pytest.mark.multiprocess
 def test_resharding_matrix_across_layouts_meshes_world_sizes_and_one_device(tmp_path):
     root = str(tmp_path)
-    reference, loaded = shardings.launch(four_ranks, 4, root)[0]
+    per_rank = shardings.launch(four_ranks, 4, root)
+    reference, loaded, _ = per_rank[0]
     assert reference["['params']['embed']"].abs().sum() > 0
     for name in TARGETS_4:
         assert_same_values(loaded[name], reference)
+    # on the 2-D mesh each real rank holds its own block of each tensor (not only the right gathered values)
+    blocks = [{p: (pl, b) for p, (pl, (b,)) in r[2].items()} for r in per_rank]  # one block per real rank
+    _assert_every_rank_holds_its_block(reference, blocks, [r[1]["zero3+tp+sp dp2×tp2"] for r in per_rank])
 
     # Each of the 4 ranks wrote its own shards, and no value twice (DCP's metadata lists the chunks).
     saved = os.path.join(root, "zero3", "step_1")
@@ -148,6 +154,58 @@ def test_simulated_ranks_save_and_load_across_meshes(tmp_path):
         assert_same_values(full_values(state), reference)
     single, _ = checkpoint.load(tmp_path, like=train_state())
     assert_same_values(full_values(single), reference)
+
+
+# -- a load onto a 2-D mesh: every rank holds its own block ------------------------------------------------------------
+
+
+MESH_2D = {"dp": 2, "tp": 2}
+
+
+def blocks_here(state):
+    """``{key path: (placements, this rank's local block)}`` of the state's DTensors, on this rank (or, simulated, a
+    list with one block per rank)."""
+    out = {}
+    for path, x in tree.leaves_with_path(state):
+        if isinstance(x, DTensor):
+            placements = tuple(("S", p.dim) if p.is_shard() else ("R",) for p in x.placements)
+            out[tree.keystr(path)] = placements, shardings.per_rank(x.to_local())
+    return out
+
+
+def _expected_block(full, placements, coords):
+    """The block of ``full`` the rank at mesh ``coords`` holds: Shard(d) on mesh dim m splits d as torch.chunk does,
+    mesh dims in order (computed here, not by shardings)."""
+    block = full
+    for axis, placement in zip(MESH_2D, placements):
+        if placement[0] == "S":
+            chunks = block.chunk(MESH_2D[axis], dim=placement[1])
+            block = chunks[coords[axis]] if coords[axis] < len(chunks) else block.narrow(placement[1], 0, 0)
+    return block
+
+
+def _assert_every_rank_holds_its_block(reference, blocks_per_rank, full_per_rank):
+    coords = [{"dp": r // MESH_2D["tp"], "tp": r % MESH_2D["tp"]} for r in range(4)]  # row-major: dp major
+    both = [p for p, (pl, _) in blocks_per_rank[0].items() if all(kind == "S" for kind, *_ in pl)]
+    assert "['params']['blocks'][0]['wq']" in both  # split over dp (embed) and tp (heads): a real 2-D layout
+    for rank, blocks in enumerate(blocks_per_rank):
+        assert blocks.keys() == blocks_per_rank[0].keys()
+        for path, (placements, block) in blocks.items():
+            assert torch.equal(block, _expected_block(reference[path], placements, coords[rank])), (rank, path)
+        assert_same_values(full_per_rank[rank], reference)  # and gathered back, every rank's copy
+
+
+def test_a_simulated_load_onto_a_2d_mesh_puts_each_block_on_its_rank(tmp_path):
+    """zero3 on dp=4, one step, saved; loaded as zero3+tp on dp=2×tp=2 (the multiprocess matrix does zero3+tp+sp)."""
+    with shardings.simulate(4):
+        source = train_state("zero3", Mesh(dp=4), steps=1)
+        checkpoint.save(tmp_path, source, step=1)
+        like = train_state("zero3+tp", Mesh(MESH_2D))
+        state, step = checkpoint.load(tmp_path, like)
+        assert step == 1 and specs(state) == specs(like)
+        reference, blocks, full = full_values(source), blocks_here(state), full_values(state)  # the ranks' copies agree
+    per_rank = [{p: (pl, bs[r]) for p, (pl, bs) in blocks.items()} for r in range(4)]
+    _assert_every_rank_holds_its_block(reference, per_rank, [full] * 4)
 
 
 def test_rank_dependent_plain_tensor_is_refused_under_simulate(tmp_path):

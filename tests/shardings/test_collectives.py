@@ -14,7 +14,7 @@ from torch.distributed._local_tensor import maybe_disable_local_tensor_mode, ran
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardings import Mesh, ShardingError, per_rank, simulate
-from shardings.collectives import (
+from shardings.comm.collectives import (
     all_gather,
     all_to_all,
     axis_index,
@@ -25,8 +25,8 @@ from shardings.collectives import (
     psum,
     psum_scatter,
 )
-from shardings.lower import rank_coords
-from shardings.mesh import axis_of_group
+from shardings.spec.lower import rank_coords
+from shardings.spec.mesh import axis_of_group
 from shardings.testing import assert_close
 
 MESH = Mesh(a=2, b=2, c=2)

@@ -13,7 +13,8 @@ from torch.distributed.tensor import Replicate
 import core
 import shardings
 from models import gpt, moe
-from shardings import Mesh, comms, gather, launch, layouts
+from shardings import Mesh, comms, gather, launch
+from shardings.spec import layouts
 from shardings.testing import assert_close, check_equivalence
 
 GPT = gpt.Config(vocab=32, dim=16, layers=1, heads=4, kv_heads=2, mlp=16, seq_len=8)

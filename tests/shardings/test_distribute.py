@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from shardings import Mesh, P, gather, partial_axes, per_rank, reshard, shard, simulate, spec_of, unwrap
-from shardings.lower import local_block, rank_coords
+from shardings.spec.lower import local_block, rank_coords
 from shardings.testing import meshes, specs
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)

@@ -16,9 +16,10 @@ import core
 import models
 import shardings
 from core import deferred, tree
-from shardings import Mesh, ShardingError, gather, layouts, per_rank, simulate, spec_of
-from shardings.initialize import init, param_specs
-from shardings.lower import local_block, rank_coords, to_placements
+from shardings import Mesh, ShardingError, gather, per_rank, simulate, spec_of
+from shardings.spec import layouts
+from shardings.spec.lower import local_block, rank_coords, to_placements
+from shardings.step.initialize import init, param_specs
 from shardings.testing import assert_close
 
 CONFIGS = {

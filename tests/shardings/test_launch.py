@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import LaunchError, Mesh, comms, launch, memory
-from shardings.launch import init_from_env
+from shardings.runtime.launch import init_from_env
 from shardings.testing import assert_close
 
 pytestmark = pytest.mark.multiprocess

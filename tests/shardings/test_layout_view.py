@@ -9,7 +9,7 @@ import models.gpt as gpt
 import models.moe as moe
 import shardings
 from shardings import Mesh, P
-from shardings.layout_view import ROLES, describe
+from shardings.step.layout_view import ROLES, describe
 
 CFG = gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, mlp=64, seq_len=8)
 
@@ -22,7 +22,7 @@ def test_groups_collapse_blocks_and_specs_follow_the_rules(layout, mesh):
     by_group = {r.group: r for r in view.rows}
     assert set(by_group) == {"embed", "final_norm", "unembed"} | {f"blocks[0-2].{k}" for k in params["blocks"][0]}
     assert all(r.count == 3 for g, r in by_group.items() if g.startswith("blocks"))
-    rules = shardings.layouts.get(layout)
+    rules = shardings.spec.layouts.get(layout)
     for role in ROLES:  # each row's spec is what the role's table gives the parameter's names
         want = shardings.logical_to_spec(axes["blocks"][1]["wq"], rules.role(role), mesh)
         assert by_group["blocks[0-2].wq"].specs[role] == want

@@ -1,4 +1,4 @@
-"""shardings.layouts: presets, composition, early errors, and DESIGN §4's table as resolved specs."""
+"""shardings.spec.layouts: presets, composition, early errors, and DESIGN §4's table as resolved specs."""
 
 import pytest
 from hypothesis import given
@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 
 import core
 import models
-from shardings import Mesh, P, Rules, ShardingError, layouts, logical_to_spec
-from shardings.initialize import param_specs
+from shardings import Mesh, P, Rules, ShardingError, logical_to_spec
+from shardings.spec import layouts
+from shardings.step.initialize import param_specs
 
 PRESETS = ("dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "sp")
 ROLES = ("params", "compute", "grads", "opt_state")

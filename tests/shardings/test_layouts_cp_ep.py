@@ -1,4 +1,4 @@
-"""shardings.layouts_cp_ep: the cp, cp_allgather and ep presets resolved to specs, as test_layouts' design table.
+"""shardings.spec.layouts_cp_ep: the cp, cp_allgather and ep presets resolved to specs, as test_layouts' design table.
 
 Equivalence cannot see these rules go wrong: an ep that stops splitting tokens, or experts left whole, still
 trains like one device (ranks repeat each other's work), and so does cp with K/V all-gathered instead of
@@ -8,7 +8,8 @@ rule changes; here they fail in milliseconds, without running a step.
 
 import pytest
 
-from shardings import Mesh, P, layouts, logical_to_spec
+from shardings import Mesh, P, logical_to_spec
+from shardings.spec import layouts
 
 TOKENS = ("batch", "seq")
 EXPERT_W = ("expert", "embed", "mlp")  # models.moe's w_gate / w_up

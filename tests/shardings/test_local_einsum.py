@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings import Mesh, P, comms, einsum, shard, simulate, spec_of, unwrap
-from shardings.gather_params import regather_in_backward, to_compute
-from shardings.local_einsum import _plan_for
+from shardings.ops.local_einsum import _plan_for
+from shardings.residency.gather_params import regather_in_backward, to_compute
 from shardings.testing import assert_close, meshes
 
 # (pattern, size of each index): linear layers, attention scores, experts, an index summed in one operand only

@@ -1,4 +1,4 @@
-"""shardings.local_step: data-parallel layouts on local tensors equal the DTensor path and one device."""
+"""shardings.step.local_step: data-parallel layouts on local tensors equal the DTensor path and one device."""
 
 import functools
 import weakref
@@ -11,8 +11,10 @@ import core
 import models.gpt as gpt
 import shardings
 from core import tree
-from shardings import Mesh, flat_comm, local_step
-from shardings.lazy_params import Gathers, Lazy
+from shardings import Mesh
+from shardings.comm import flat_comm
+from shardings.residency.lazy_params import Gathers, Lazy
+from shardings.step import local_step
 from shardings.testing import check_equivalence
 
 CFG = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8)

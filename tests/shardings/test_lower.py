@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from shardings import Mesh, P, ShardingError, per_rank, shard, simulate
-from shardings.lower import from_placements, local_block, mesh_of, rank_coords, to_placements, without_size1_axes
+from shardings.spec.lower import from_placements, local_block, mesh_of, rank_coords, to_placements, without_size1_axes
 from shardings.testing import meshes, specs
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardings import Mesh, NamedSharding, P, ShardingError, simulate
-from shardings.mesh import validate_spec
+from shardings.spec.mesh import validate_spec
 
 
 def test_mesh_basics():

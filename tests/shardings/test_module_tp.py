@@ -1,4 +1,4 @@
-"""shardings.module_tp: nn.TransformerEncoderLayer under tensor parallelism works, or is refused before any work."""
+"""shardings.ops.module_tp: nn.TransformerEncoderLayer under tensor parallelism works, or is refused before any work."""
 
 import pytest
 import torch
@@ -9,7 +9,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import core
 import shardings
-from shardings import Mesh, ShardingError, module_tp, per_rank
+from shardings import Mesh, ShardingError, per_rank
+from shardings.ops import module_tp
 from shardings.testing import assert_close, check_equivalence
 
 EMBED, HEADS, FF = 16, 4, 32
@@ -170,7 +171,7 @@ def test_a_split_fused_in_projection_is_refused_before_it_runs_naming_the_parame
     message = _first_step_fails(_encoder_layer(), split_fused, {"dp": 2, "tp": 2}, "zero3+tp")
     assert message.startswith("at self_attn.in_proj_weight, spec P('tp'), mesh Mesh(dp=2, tp=2): ")
     for words in ("unflatten(-1, (3, embed_dim))", "aten.view", "not whole heads", "first dim None",
-                  "keep the module out of tp", "shardings.module_tp.local_heads(module)"):
+                  "keep the module out of tp", "shardings.ops.module_tp.local_heads(module)"):
         assert words in message
 
 

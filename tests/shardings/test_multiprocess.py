@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shardings import Mesh, P, gather, launch, reshard, shard, spec_of
-from shardings.collectives import all_gather, all_to_all, bind_mesh, ppermute, psum, psum_scatter
-from shardings.lower import rank_coords
+from shardings.comm.collectives import all_gather, all_to_all, bind_mesh, ppermute, psum, psum_scatter
+from shardings.spec.lower import rank_coords
 
 pytestmark = pytest.mark.multiprocess
 

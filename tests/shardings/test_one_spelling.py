@@ -8,7 +8,8 @@ import torch
 import core
 import models.mlp as mlp
 import shardings
-from shardings import Mesh, P, Rules, layouts
+from shardings import Mesh, P, Rules
+from shardings.spec import layouts
 
 CFG = mlp.Config(vocab=32, dim=16, mlp=32, layers=2, seq_len=8)
 

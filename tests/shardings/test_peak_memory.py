@@ -1,9 +1,9 @@
-"""shardings.peak_memory: the most bytes live tensors held at once (entry, new storages, frees, resizes)."""
+"""shardings.comm.peak_memory: the most bytes live tensors held at once (entry, new storages, frees, resizes)."""
 
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
-from shardings.peak_memory import peak_memory
+from shardings.comm.peak_memory import peak_memory
 
 
 def test_counts_new_storages_once_and_their_frees():

@@ -1,4 +1,4 @@
-"""shardings.ring_attention: ring and all-gather attention equal the reference (values, grads), their
+"""shardings.ops.ring_attention: ring and all-gather attention equal the reference (values, grads), their
 collectives, and the zigzag load balance."""
 
 import functools
@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 import core
 import shardings
-from shardings import Mesh, P, Rules, ShardingError, comms, layouts, per_rank, shard, use
-from shardings.ring_attention import attention, reference_attention, ring_work
+from shardings import Mesh, P, Rules, ShardingError, comms, per_rank, shard, use
+from shardings.ops.ring_attention import attention, reference_attention, ring_work
+from shardings.spec import layouts
 from shardings.testing import assert_close
 
 

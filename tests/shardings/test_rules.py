@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from core import tree
 from shardings import Mesh, P, Rules, ShardingError, annotate, logical_to_spec, logical_to_specs
-from shardings.mesh import validate_spec
-from shardings.rules import is_names, path_str
+from shardings.spec.mesh import validate_spec
+from shardings.spec.rules import is_names, path_str
 
 AXES = ("dp", "fsdp", "tp", "cp")  # "cp" is never in the generated meshes: an absent axis (a preset's, so skipped)
 NAMES = ("batch", "seq", "embed", "mlp", "heads")

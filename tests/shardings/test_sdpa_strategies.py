@@ -1,4 +1,4 @@
-"""shardings.sdpa_strategies: CPU attention on DTensors split by batch, heads or query rows, no collectives."""
+"""shardings.ops.sdpa_strategies: CPU attention on DTensors split by batch, heads or query rows, no collectives."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import shardings
 from shardings import Mesh, per_rank
-from shardings.sdpa_strategies import attention_placements
+from shardings.ops.sdpa_strategies import attention_placements
 from shardings.testing import assert_close
 
 SPLITS = st.sampled_from([Replicate(), Shard(0), Shard(1), Shard(2)])  # whole, batch, heads, query rows

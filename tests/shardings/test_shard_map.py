@@ -16,10 +16,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import core
 from shardings import Mesh, P, ShardingError, per_rank, simulate
-from shardings.collectives import all_gather, all_to_all, axis_index, pmean, ppermute, psum, psum_scatter
-from shardings.launch import launch
-from shardings.lower import local_block, rank_coords, to_placements
-from shardings.shard_map import shard_map
+from shardings.comm.collectives import all_gather, all_to_all, axis_index, pmean, ppermute, psum, psum_scatter
+from shardings.comm.shard_map import shard_map
+from shardings.runtime.launch import launch
+from shardings.spec.lower import local_block, rank_coords, to_placements
 from shardings.testing import assert_close
 from shardings.testing.strategies import meshes, specs
 

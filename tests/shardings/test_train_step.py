@@ -13,7 +13,10 @@ import core
 import models.gpt as gpt
 import shardings
 from core import tree
-from shardings import Mesh, buckets, gather_params, layouts
+from shardings import Mesh
+from shardings.comm import buckets
+from shardings.residency import gather_params
+from shardings.spec import layouts
 from shardings.testing import EquivalenceError, check_equivalence, meshes
 from shardings.testing import layouts as layout_strategy
 

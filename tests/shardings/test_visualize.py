@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from shardings import Mesh, P, shard, simulate, visualize
-from shardings.lower import local_block, rank_coords
+from shardings.spec.lower import local_block, rank_coords
 from shardings.testing import meshes, specs
 
 GRID_2D = """\

@@ -1,4 +1,5 @@
-"""shardings.vocab_parallel: logsumexp block by block over a sharded dim (no gather of the logits), equal to torch's."""
+"""shardings.ops.vocab_parallel: logsumexp block by block over a sharded dim (no gather of the logits), equal to
+torch's."""
 
 import pytest
 import torch
@@ -7,8 +8,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import shardings
 from shardings import Mesh, P, per_rank, shard
+from shardings.ops.vocab_parallel import embedding, logsumexp, nll
 from shardings.testing import assert_close
-from shardings.vocab_parallel import embedding, logsumexp, nll
 
 
 def _collectives(mode: CommDebugMode) -> dict[str, int]:

@@ -1,0 +1,121 @@
+"""Placeholders for gathered parameters, materialized on first use: FSDP's per-block forward gathers.
+
+ZeRO-3 hands the loss a tree of full parameters, but the loss uses one block's at a time. A
+:class:`Lazy` placeholder has the full parameter's shape and dtype and no storage; the first torch
+operation that touches it asks its owner (:class:`Gathers`) for the real tensor: wait for the
+bucket's all-gather, assemble it, launch the next bucket's, and the op runs on that. The owner
+keeps only the buckets in use, so a block's gathered weights are freed once the loss moves
+on to the next block (autograd saves them as re-gather handles, never the weights themselves),
+as FSDP2's post-forward reshard. Metadata (``shape``, ``dtype``, ``ndim``, ...) is answered by the
+placeholder itself. Code that branches on a tensor's type before operating on it calls
+:func:`resolve` first (``shardings.einsum``, ``constrain``, ``shard_map``, the vocab-parallel embedding do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from shardings.comm import flat_comm as fc
+from shardings.spec.placeholder import Placeholder, resolve
+
+__all__ = ["Gathers", "Lazy", "resolve"]
+
+# answered by the placeholder: its shape, dtype and device are the full parameter's (a view such as
+# ``.T``, or anything reading data, materializes it)
+_METADATA = {
+    *(getattr(torch.Tensor, name).__get__ for name in (
+        "shape", "dtype", "ndim", "device", "layout", "requires_grad", "is_leaf", "is_cuda", "is_meta", "itemsize",
+        "nbytes")),
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
+}
+
+
+class Gathers:
+    """One forward's gathered buckets behind placeholders (ZeRO-3's, on the local and DTensor paths).
+
+    ``launch(k)`` starts bucket ``k``'s all-gather; ``build(k, flat)`` turns the gathered buffer into
+    the bucket's full tensors (through the autograd function whose backward reduce-scatters). The
+    first two buckets are launched up front; materializing bucket ``k`` launches ``k + 1`` and drops
+    every earlier bucket not in ``kept`` (a block's weights, once the loss moves on: FSDP2's reshard
+    after forward; used again later, a bucket is gathered again: correct, one more collective).
+    """
+
+    def __init__(self, count: int, kept: Sequence[int], launch: Callable[[int], torch.Tensor],
+                 build: Callable[[int, torch.Tensor], Sequence[torch.Tensor]]):
+        self.count, self.kept, self.launch, self.build = count, tuple(kept), launch, build
+        self.pending = {k: launch(k) for k in range(min(2, count))}  # bucket -> all-gather in flight
+        self.live: dict[int, Sequence[torch.Tensor]] = {}  # bucket -> its full tensors, while forward uses them
+
+    def placeholders(self, buckets: Sequence[Sequence[int]], like: Sequence[torch.Tensor],
+                     shape_of: Callable[[int], torch.Size]) -> dict[int, torch.Tensor]:
+        """Leaf index -> a :class:`Lazy` of its bucket, with ``like[i]``'s dtype and the full shape
+        ``shape_of(i)`` (the real tensors when compiling: no subclass to trace)."""
+        if torch.compiler.is_compiling():
+            return {i: self.materialize(k)[pos] for k, b in enumerate(buckets) for pos, i in enumerate(b)}
+        return {i: Lazy(like[i], shape_of(i), self, k, pos) for k, b in enumerate(buckets) for pos, i in enumerate(b)}
+
+    def materialize(self, k: int) -> Sequence[torch.Tensor]:
+        got = self.live.get(k)
+        if got is not None:
+            return got
+        flat = self.pending.pop(k) if k in self.pending else self.launch(k)
+        with torch.enable_grad():  # an op under no_grad may touch it first; later ones need the gradient
+            fulls = self.build(k, flat)
+        self._drop_blocks()
+        self.live[k] = fulls
+        if k + 1 < self.count and k + 1 not in self.pending:
+            self.pending[k + 1] = self.launch(k + 1)  # prefetch: it gathers while this bucket computes
+        return fulls
+
+    def _drop_blocks(self) -> None:
+        """Forget the buckets not in ``kept`` (freed unless an op or autograd still holds them)."""
+        for k in [k for k in self.live if k not in self.kept]:
+            del self.live[k]
+
+    def close(self) -> None:
+        """At the end of forward: forget every bucket (autograd holds what backward needs) and await a
+        prefetch the loss never used (an unused block). Again after backward, where a recomputed block
+        (remat) may have gathered once more."""
+        self.live.clear()  # the kept ones' (a reference cycle through their autograd nodes otherwise)
+        for flat in self.pending.values():
+            fc.wait(flat)
+        self.pending.clear()
+
+
+class Lazy(Placeholder):
+    """Leaf ``pos`` of ``bucket``, gathered by ``owner`` when an operation first needs it."""
+
+    owner: Gathers
+    bucket: int
+    pos: int
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, shape: torch.Size, owner: Gathers, bucket: int, pos: int) -> Lazy:
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device,
+                                                   requires_grad=like.requires_grad)
+        self.owner, self.bucket, self.pos = owner, bucket, pos
+        return self
+
+    def materialize(self) -> torch.Tensor:
+        return self.owner.materialize(self.bucket)[self.pos]
+
+    def __repr__(self) -> str:  # no data to print
+        return f"Lazy(shape={tuple(self.shape)}, dtype={self.dtype}, bucket={self.bucket})"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map_only(Lazy, resolve, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise RuntimeError(f"{func} reached a Lazy parameter placeholder below torch functions; it has no data")

@@ -1,0 +1,176 @@
+"""A whole step at a glance: how a layout splits each parameter group in each role, and what it sends.
+
+``describe(params, axes, layout, mesh)`` resolves every parameter's logical names with the
+layout's rule tables for the four roles a parameter plays — storage between steps, compute while
+the loss runs, reduced gradients, optimizer state — and groups the leaves that share a name path
+up to list indices (``blocks[0-3].wq``), shape and specs. Given the ``comms()`` record of one
+step it adds the collectives by kind × mesh axis with bytes per rank. ``print(view)`` shows it as
+text; ``view.to_dict()`` is what ``experiments.report`` draws as ``layout.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from core import tree
+from shardings.spec.layouts import Layout
+from shardings.spec.layouts import get as get_layout
+from shardings.spec.mesh import Mesh, P
+from shardings.spec.rules import is_names, logical_to_spec
+
+__all__ = ["ROLES", "GroupRow", "LayoutView", "describe", "rules_table"]
+
+ROLES = ("params", "compute", "grads", "opt_state")
+_TITLES = {"params": "storage", "compute": "compute", "grads": "grads", "opt_state": "opt state"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRow:
+    """Parameters of one group: their shape, and per role the spec and the share of the tensor a rank holds."""
+
+    group: str
+    shape: tuple[int, ...]
+    count: int
+    specs: dict[str, P]
+    shares: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutView:
+    """The layout's effect on every parameter group, and (optionally) a step's collectives."""
+
+    layout: str
+    mesh: Mesh
+    rows: list[GroupRow]
+    comm: list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The view as a text table: one line per parameter group, then the collectives."""
+        cells = [[r.group, str(r.shape)] + [_cell(r.specs[k], r.shares[k]) for k in ROLES] for r in self.rows]
+        head = ["param", "shape"] + [_TITLES[k] for k in ROLES]
+        widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
+        line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        out = [f"layout {self.layout!r} on {self.mesh!r} ({self.mesh.size} ranks): spec and share each rank holds",
+               line(head), line(["-" * w for w in widths]), *map(line, cells)]
+        if self.comm:
+            out += ["", "collectives per step (bytes sent per rank)"]
+            out += [f"{'kind':<16}{'axis':<12}{'count':>6}{'bytes':>14}"]
+            out += [f"{c['kind']:<16}{c['axis']:<12}{c['count']:>6}{c['bytes']:>14,}" for c in self.comm]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: layout, mesh sizes, rows (specs as lists) and comm rows."""
+        return {
+            "layout": self.layout,
+            "mesh": self.mesh.shape,
+            "rows": [{"group": r.group, "shape": list(r.shape), "count": r.count,
+                      "specs": {k: [list(e) if isinstance(e, tuple) else e for e in s] for k, s in r.specs.items()},
+                      "shares": r.shares} for r in self.rows],
+            "comm": self.comm,
+        }
+
+
+def _cell(spec: P, share: float) -> str:
+    return f"{spec!r} {'all' if share == 1 else f'1/{round(1 / share)}'}"
+
+
+def _group_of(path: str) -> tuple[str, tuple[int, ...]]:
+    """``"['blocks'][3]['wq']"`` -> ``("blocks[*].wq", (3,))``: the path with list indices taken out."""
+    indices = tuple(int(i) for i in re.findall(r"\[(\d+)\]", path))
+    name = re.sub(r"\[(\d+)\]", "[*]", path)
+    name = re.sub(r"\['([^']*)'\]", r".\1", name).lstrip(".")
+    return name, indices
+
+
+def _label(name: str, indices: list[tuple[int, ...]]) -> str:
+    """``blocks[*].wq`` with indices 0..3 -> ``blocks[0-3].wq`` (or ``[0,2]`` when not a run)."""
+    if not indices or not indices[0]:
+        return name
+    firsts = sorted({i[0] for i in indices})
+    runs = firsts == list(range(firsts[0], firsts[-1] + 1)) and len(firsts) > 2
+    text = f"{firsts[0]}-{firsts[-1]}" if runs else ",".join(map(str, firsts))
+    return name.replace("[*]", f"[{text}]", 1)
+
+
+def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any = None) -> LayoutView:
+    """Resolve every parameter's specs under ``layout`` on ``mesh``, grouped, with a step's collectives.
+
+    Args:
+        params: the parameter tree (plain tensors, DTensors, or anything with ``.shape``).
+        axes: the logical names of each parameter dim, same structure as ``params``.
+        layout: a preset/composition string or a :class:`~shardings.spec.layouts.Layout`.
+        mesh: the mesh (no process group needed: specs are resolved, nothing is placed).
+        comm: a ``shardings.comms()`` record of one step, or its ``rows()``, to list the collectives.
+
+    Returns:
+        A :class:`LayoutView` (``print`` it).
+
+    >>> view = describe({"w": torch.zeros(8, 4)}, {"w": ("embed", "mlp")}, "zero3+tp", Mesh(dp=2, tp=2))
+    >>> print(view.rows[0].specs["params"], view.rows[0].specs["compute"])
+    P('dp', 'tp') P(None, 'tp')
+    """
+    layout = get_layout(layout)
+    names = dict((tree.keystr(p), n) for p, n in tree.leaves_with_path(axes, is_leaf=is_names))
+    groups: dict[tuple, list[tuple[int, ...]]] = {}
+    for path, x in tree.leaves_with_path(params):
+        key = tree.keystr(path)
+        if key not in names:
+            raise ValueError(f"describe: no logical names for the parameter at {key}. Fix: give axes the "
+                             f"same tree structure as params (e.g. models.gpt.axes(cfg)).")
+        specs = tuple(logical_to_spec(names[key], layout.role(role), mesh, path=key) for role in ROLES)
+        name, indices = _group_of(key)
+        groups.setdefault((name, tuple(x.shape), specs), []).append(indices)
+    rows = []
+    for (name, shape, specs), indices in groups.items():
+        shares = {role: 1 / mesh.axis_size(tuple(a for e in s for a in ((e,) if isinstance(e, str) else e or ())))
+                  for role, s in zip(ROLES, specs)}
+        rows.append(GroupRow(_label(name, indices), shape, len(indices), dict(zip(ROLES, specs)), shares))
+    comm_rows = comm.rows() if hasattr(comm, "rows") else list(comm or [])
+    return LayoutView(layout.name or repr(layout), mesh, rows, comm_rows)
+
+
+_ROLE_LETTERS = {"params": "S", "compute": "C", "grads": "G", "opt_state": "O", "batch": "B", "activations": "A"}
+
+
+def _target_text(targets: tuple[Any, ...]) -> str:
+    entry = lambda t: "·" if t is None else t if isinstance(t, str) else "(" + ",".join(t) + ")"
+    return " | ".join(entry(t) for t in targets)
+
+
+def rules_table(presets: tuple[str, ...] | None = None) -> str:
+    """A markdown table of the logical names every preset maps, generated from the rule tables.
+
+    Rows are logical names, columns presets; a cell lists, per group of roles (S storage, C compute,
+    G grads, O optimizer state, B batch, A activations), the mesh axes the name goes to — ``a | b``
+    when ``b`` is the fallback taken if another dim of the tensor already holds ``a``. Empty: the
+    preset leaves the name alone (replicated, unless another preset of the composition maps it).
+
+    >>> print(rules_table(("dp",)).splitlines()[2])
+    | `batch` | BA→(dp,fsdp) |
+    """
+    from shardings.spec.layouts import _PRESETS  # the registry, presets in registration order
+
+    presets = presets or tuple(_PRESETS)
+    names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS
+                               for n in getattr(_PRESETS[p].layout, role).names))
+    from shardings.spec.layouts import LOGICAL_NAMES
+
+    names = [n for n in LOGICAL_NAMES if n in names] + [n for n in names if n not in LOGICAL_NAMES]
+    lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
+    for name in names:
+        cells = []
+        for p in presets:
+            by_target: dict[str, str] = {}
+            for role, letter in _ROLE_LETTERS.items():
+                targets = getattr(_PRESETS[p].layout, role).targets(name)
+                if targets:
+                    text = _target_text(targets)
+                    by_target[text] = by_target.get(text, "") + letter
+            cells.append("; ".join(f"{letters}→{t}" for t, letters in by_target.items()))
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
