@@ -29,9 +29,15 @@ _GROUP_AXES: dict[str, str] = {}
 
 
 def _clear_device_meshes() -> None:
+    """Forget the meshes of a runtime that ended (simulate's exit, a launched rank's teardown)."""
     _DEVICE_MESHES.clear()
     _MESHES.clear()
     _GROUP_AXES.clear()
+    # DTensor's sharding-propagation caches key on equal (not identical) meshes: left alone, the next runtime's
+    # ops would hand out output specs holding this runtime's DeviceMesh, and plans keyed on it split wrongly
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def register_group(group_name: str, axis_label: str) -> None:
