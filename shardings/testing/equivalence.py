@@ -97,32 +97,46 @@ def compare_trees(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS,
 
 
 def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps):
-    """Per step the single-device ``(loss, grads, params)``, and how far rounding noise could move the params.
+    """Per step the single-device ``(loss, grads, params)``, and how far rounding noise could move each of them.
 
-    The second part runs the same optimizer twice more beside the reference, on the reference's
+    The second part runs the same optimizer twice more beside the reference, each on its own
     gradients pushed up and down by the largest difference the tolerance rule allows them. An
     optimizer that normalizes the gradient (Adam's ``m / √v``) turns gradient noise near zero
     into a step of about the learning rate; these two runs measure that amplification, element by
     element, so the params comparison allows exactly it and no more (plain SGD: almost nothing).
+    From step 2 on, the loss and gradients those runs compute at their own params measure how far
+    that allowed params noise moves the loss and gradients in turn (the same allowance, one step later).
     """
     params = init(key, cfg)
     opt = core.optim.chain(core.optim.clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
     state = opt.init(params)
     noisy = [(sign, params, opt.init(params)) for sign in (1.0, -1.0)]
     out, slack = [], []
-    for _ in range(steps):
+    for step in range(steps):
         loss, grads = core.value_and_grad(loss_fn)(params, batch)
+        seen = []  # (loss, grads) of each noisy run at its own params
         for j, (sign, p, st) in enumerate(noisy):
-            pushed = tree.map(lambda g, sign=sign: g + sign * _allowed(g, terms, ulps), grads)
+            g_loss, g = (loss, grads) if step == 0 else core.value_and_grad(loss_fn)(p, batch)
+            seen.append((g_loss, g))
+            pushed = tree.map(lambda g, sign=sign: g + sign * _allowed(g, terms, ulps), g)
             updates, st = opt.update(pushed, st, p)
             noisy[j] = (sign, core.optim.apply_updates(p, updates), st)
         updates, state = opt.update(grads, state, params)
         params = core.optim.apply_updates(params, updates)
         out.append((loss, grads, params))
-        moved = [tree.map(lambda a, b: (a - b).abs(), p, params) for _, p, _ in noisy]
-        slack.append({tree.keystr(k): torch.maximum(x, y) for (k, x), y in
-                      zip(tree.leaves_with_path(moved[0]), tree.leaves(moved[1]))})
+        slack.append({
+            "loss": _spread(loss, [s[0] for s in seen]),
+            "grads": _spread(grads, [s[1] for s in seen]),
+            "params": _spread(params, [p for _, p, _ in noisy]),
+        })
     return out, slack
+
+
+def _spread(want: Any, others: list[Any]) -> dict[str, torch.Tensor]:
+    """Per key path, the elementwise largest ``|other - want|`` over ``others``."""
+    moved = [tree.map(lambda a, b: (a - b).abs(), o, want) for o in others]
+    return {tree.keystr(k): torch.maximum(x, y) for (k, x), y in
+            zip(tree.leaves_with_path(moved[0]), tree.leaves(moved[1]))}
 
 
 def _allowed(g: torch.Tensor, terms: int, ulps: float) -> torch.Tensor:
@@ -210,8 +224,10 @@ def check_equivalence(
     structures must match. Params get one more allowance: how far the optimizer moves them when
     the reference's gradients are off by what the rule allows (measured by two extra reference
     runs, see ``_reference``) — Adam turns a gradient that is exactly zero on one device and
-    1e-12 on sharded ranks into a learning-rate step, which is rounding, not a bug. A wrong
-    gradient still fails in the grads rows, and a wrong update fails in the params rows.
+    1e-12 on sharded ranks into a learning-rate step, which is rounding, not a bug. From step 2 on,
+    loss and grads get the same kind of allowance: how far they move at the params those extra runs
+    reached (params within the allowance give gradients that differ by more than one step's rounding).
+    A wrong gradient still fails in the grads rows, and a wrong update fails in the params rows.
 
     Args:
         init: ``init(key, cfg) -> params`` (single-device, ``core.random``).
@@ -260,7 +276,7 @@ def check_equivalence(
         got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
             for quantity, want in (("loss", ref_loss), ("grads", ref_grads), ("params", ref_params)):
-                extra = slack[i] if quantity == "params" else None
+                extra = slack[i][quantity]
                 results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, slack=extra) for r in per_ranks]
                 abs_, rel, used, path, ok = max(results, key=lambda r: (not r[4], r[2]))
                 rows.append(Row(layout.name, i + 1, quantity, abs_, rel, used, path or "<scalar>", ok))
