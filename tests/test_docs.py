@@ -55,3 +55,35 @@ def test_every_logical_name_the_docs_map_exists():
                     line = text[: m.start()].count("\n") + 1
                     unknown.append(f"{path.relative_to(ROOT)}:{line}: {name!r}")
     assert not unknown, f"logical names no rule knows (known: {sorted(known)}):\n" + "\n".join(unknown)
+
+
+_PATH = re.compile(r"\b((?:core|shardings|models|experiments|tests)/[\w/]*\w\.py)\b")
+_SUBPATH = re.compile(r"(?<![\w/])((?:spec|runtime|comm|residency|ops|step|checkpoint|testing)/\w+\.py)\b")
+_MODULE = re.compile(r"\bshardings\.((?:spec|runtime|comm|residency|ops|step|checkpoint|testing)(?:\.\w+)*)")
+_LINK = re.compile(r"\]\(((?!https?:)[^)#\s]+)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_file_module_and_link_the_docs_name_exists(path):
+    """A file moved or renamed (shardings/ was reorganized by concern) cannot leave the docs pointing at nothing."""
+    import importlib
+
+    text = path.read_text()
+    missing = [p for p in _PATH.findall(text) if not (ROOT / p).exists()]
+    missing += [p for p in _SUBPATH.findall(text) if not (ROOT / "shardings" / p).exists()]  # internals.md's
+    missing += [link for link in _LINK.findall(text) if not (path.parent / link).exists()]
+    for dotted in set(_MODULE.findall(text)):
+        parts = f"shardings.{dotted}".split(".")
+        for end in range(len(parts), 1, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:end]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[end:]:
+                obj = getattr(obj, attr, None)
+            if obj is None:
+                missing.append(f"shardings.{dotted}")
+            break
+        else:
+            missing.append(f"shardings.{dotted}")
+    assert missing == [], f"{path.name} names what does not exist: {missing}"
