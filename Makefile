@@ -44,10 +44,12 @@ lock:
 	! grep -iE "^(nvidia-|triton)" $(LOCK) || (echo "the lock pulled CUDA packages: make the CPU torch wheel reachable (PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)"; exit 1)
 
 # The suite against the newest releases of every dependency (the lock ignored), in its own venv.
+# torch stays as installed (constrained: an eager upgrade would pull the newest CUDA build, several GB).
 test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -c "import torch" 2>/dev/null || .venv-latest/bin/pip install "$(TORCH_SPEC)"
-	.venv-latest/bin/pip install --upgrade --upgrade-strategy eager -e ".[dev]"
+	.venv-latest/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv-latest/torch.txt
+	.venv-latest/bin/pip install --upgrade --upgrade-strategy eager -c .venv-latest/torch.txt -e ".[dev]"
 	SHARDLAB_UNLOCKED=1 .venv-latest/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 # Bug hunting: the property tests with fresh randomness and more examples, for at most EXPLORE_SECONDS.
