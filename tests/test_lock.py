@@ -51,6 +51,8 @@ def test_the_install_recipe_uses_the_lock():
     stamp = re.search(r"^\$\(VENV\)/\.installed: (.*)$", makefile, re.M)
     assert stamp and "$(LOCK)" in stamp[1]  # a changed lock reinstalls
     assert "pip install -r $(LOCK)" in makefile and "pip install --no-deps -e ." in makefile
+    # test-latest upgrades everything but torch: an eager upgrade of torch is the newest CUDA build (several GB)
+    assert "--upgrade-strategy eager -c .venv-latest/torch.txt" in makefile
 
 
 @pytest.mark.skipif(os.environ.get("SHARDLAB_UNLOCKED") == "1",
