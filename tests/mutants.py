@@ -130,7 +130,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "ep's rules rank after the data presets' and tp's: tokens stop splitting over ep (ep ranks duplicate "
            "work) and tp's expert -> None wins",
            (f"{T_CP_EP}::test_ep_splits_tokens_over_ep_and_experts_in_every_role",
-            "tests/shardings/test_coverage.py::test_ep_layouts_persistent_bytes_per_role_and_collectives_per_step")),
+            "tests/shardings/test_review_guards.py::test_ep_layouts_persistent_bytes_per_role_and_collectives_per_step")),
     # -- bucket and microbatch averaging ----------------------------------------------------------------
     Mutant("local-token-total-not-all-reduced", "shardings/step/local_step.py",
            'counts = fc.wait(funcol.all_reduce(counts, "sum", comm.group(m)))',
@@ -163,7 +163,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "nxt = self.buckets[self.order[at - 1]]",
            "backward prefetches the bucket it already re-gathered (at the first: the last one) instead of the next",
            ("tests/shardings/test_local_step.py::test_zero3_regathers_buckets_in_backward_prefetching_the_next",
-            "tests/shardings/test_coverage.py::"
+            "tests/shardings/test_review_guards.py::"
             "test_dtensor_path_zero3_regathers_buckets_in_backward_prefetching_the_next")),
     # -- ring attention: the mask and the online-softmax merge ------------------------------------------
     Mutant("ring-diagonal-mask-strict", "shardings/ops/ring_attention.py",
@@ -197,7 +197,7 @@ MUTANTS: tuple[Mutant, ...] = (
            'shift = reduce(block.detach().amax(-1), "max")',
            'shift = reduce(block.detach().amax(-1), "sum")',
            "the logsumexp shift sums the blocks' maxima instead of taking their max (exact in math; exp underflows)",
-           ("tests/shardings/test_coverage.py::"
+           ("tests/shardings/test_review_guards.py::"
             "test_vocab_parallel_cross_entropy_on_logits_of_magnitude_1e4_equals_one_device_and_torch",)),
     Mutant("vocab-target-not-all-reduced", "shardings/ops/vocab_parallel.py",
            'target = reduce(block.gather(-1, idx[..., None]).squeeze(-1) * hit, "sum")',
