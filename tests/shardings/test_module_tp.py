@@ -11,7 +11,7 @@ import core
 import shardings
 from shardings import Mesh, ShardingError, per_rank
 from shardings.ops import module_tp
-from shardings.testing import assert_close, check_equivalence
+from shardings.testing import EquivalenceError, assert_close, check_equivalence
 
 EMBED, HEADS, FF = 16, 4, 32
 RULES = {  # logical names of a TransformerEncoderLayer's weights, before and after local_heads
@@ -125,6 +125,31 @@ def test_transformer_encoder_layer_matches_one_device(recipe, layouts):
     init, loss, names = _model(module)
     report = check_equivalence(init, loss, names, None, _batch(), layouts=layouts, mesh=Mesh(dp=2, tp=2), steps=2)
     assert report.ok
+
+
+@pytest.mark.parametrize("recipe", ["fused in-projection whole", "local heads"])
+def test_with_accumulation_and_clipping_too(recipe):
+    module = _encoder_layer() if recipe.startswith("fused") else module_tp.local_heads(_encoder_layer(bias=False))
+    init, loss, names = _model(module)
+    report = check_equivalence(init, loss, names, None, _batch(), layouts=["dp+tp", "zero3+tp"], mesh=Mesh(dp=2, tp=2),
+                               steps=2, accum_steps=2, clip_norm=0.05)
+    assert report.ok
+
+
+def test_a_one_percent_error_in_sharded_attention_is_caught(monkeypatch):
+    """Planted: attention on DTensors (the tensor-parallel path only) returns 1.01 × the right output."""
+    from torch.distributed.tensor import DTensor
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def off_by_one_percent(q, *args, **kwargs):
+        out = sdpa(q, *args, **kwargs)
+        return out * 1.01 if isinstance(q, DTensor) else out
+
+    monkeypatch.setattr(module_tp.F, "scaled_dot_product_attention", off_by_one_percent)
+    init, loss, names = _model(module_tp.local_heads(_encoder_layer(bias=False)))
+    with pytest.raises(EquivalenceError):
+        check_equivalence(init, loss, names, None, _batch(), layouts=["dp+tp"], mesh=Mesh(dp=2, tp=2), steps=2)
 
 
 def test_local_heads_attend_on_each_ranks_own_heads_without_gathering_them():
