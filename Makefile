@@ -59,7 +59,7 @@ test-explore: install
 	  $(BIN)/python -m pytest -m hypothesis $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 124 ] || [ $$rc -eq 130 ]; then echo "explore: time limit ($(EXPLORE_SECONDS) s) reached"; exit 0; fi; exit $$rc
 
-# Mutation drill: plant each bug listed in tests/mutants.py in a copy of the tree, run the tests meant to catch it,
+# Mutation drill: plant each bug listed in tests/mutant_catalog.py in a copy of the tree, run the tests meant to catch it,
 # print the kill rate; fails on a survivor not in EQUIVALENT. MUTANTS_ARGS="--only ID ..." or "--list".
 mutants: install
 	$(BIN)/python -m tests.mutants $(MUTANTS_ARGS)

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from tests.mutants import EQUIVALENT, MUTANTS, ROOT, check_snippet, node_file
+from tests.mutant_catalog import EQUIVALENT, MUTANTS
+from tests.mutants import ROOT, check_snippet, node_file
 
 
 def test_ids_are_unique_and_equivalents_are_mutants_with_a_reason():
