@@ -10,7 +10,7 @@ parallelism shards heads/mlp/vocab). Three consequences shape the code:
 * Params meet activations in :func:`einsum` (``shardings.einsum``, re-exported): ``einops.einsum`` on
   plain tensors, each rank's blocks multiplied locally on DTensors whose layouts agree.
 
-Numerics follow Hugging Face Llama (RMSNorm in float32, ``rotate_half`` RoPE, float32 softmax),
+Numerics follow Hugging Face Llama (RMSNorm in float32, ``rotate_half`` RoPE, SDPA attention),
 so converted checkpoints match its logits.
 """
 
@@ -99,8 +99,10 @@ def _rope(x: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal multi-head attention with grouped K/V (MHA, GQA and MQA), laid out by the active layout.
 
-    :func:`shardings.attention`: the reference einsum attention with a float32 masked softmax
-    (runs on DTensors whose heads are sharded), or ring attention when the layout shards ``seq`` (cp).
+    :func:`shardings.attention`: ``F.scaled_dot_product_attention`` (a fused kernel: no ``seq × seq``
+    scores saved) on one device and on each rank's heads under tp, or ring attention by the same
+    kernel's blocks when the layout shards ``seq`` (cp). ``shardings.ops.ring_attention.reference_attention``
+    (einsums, float32 softmax) is what the tests compare it with.
 
     Args:
         q: ``(batch, seq, heads, head_dim)``.

@@ -23,6 +23,7 @@ T_COLL = "tests/shardings/test_collectives.py"
 T_LOCAL = ("tests/shardings/test_local_step.py::"
            "test_local_path_matches_the_single_device_reference_with_accumulation_clipping_and_small_buckets")
 T_RING = "tests/shardings/test_ring_attention.py"
+T_KERNELS = "tests/shardings/test_attention_kernels.py"
 T_RULES = "tests/shardings/test_rules.py"
 T_DESIGN = "tests/shardings/test_layouts.py::test_design_table"
 T_CP_EP = "tests/shardings/test_layouts_cp_ep.py"  # written for the drill: rule changes equivalence cannot see
@@ -137,16 +138,27 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/shardings/test_review_guards.py::"
             "test_dtensor_path_zero3_regathers_buckets_in_backward_prefetching_the_next")),
     # -- ring attention: the mask and the online-softmax merge ------------------------------------------
-    Mutant("ring-diagonal-mask-strict", "shardings/ops/ring_attention.py",
-           "    return pos[:, None] >= pos[None, :]",
-           "    return pos[:, None] > pos[None, :]",
-           "the ring's diagonal block masks each query's own key (strict causal mask)",
+    Mutant("ring-diagonal-unmasked", "shardings/ops/ring_attention.py",
+           "o, block_lse = kernels.block_forward(q[:, qi], k[:, ki], v[:, ki], masked, scale)",
+           "o, block_lse = kernels.block_forward(q[:, qi], k[:, ki], v[:, ki], False, scale)",
+           "the ring's diagonal block runs the kernel without its causal mask (queries see later keys)",
            (f"{T_RING}::test_equals_reference_values_and_grads",)),
     Mutant("ring-merge-no-rescale", "shardings/ops/ring_attention.py",
            "out[:, qi] = out[:, qi] * to_rows(lse[..., qi]) + o * to_rows(block_lse)",
            "out[:, qi] = out[:, qi] + o * to_rows(block_lse)",
            "the online-softmax merge does not rescale the running output by its old log-sum-exp",
            (f"{T_RING}::test_equals_reference_values_and_grads",)),
+    # -- the fused attention kernels: a 1% error against the einsum reference --------------------------
+    Mutant("fused-attention-one-percent", "shardings/ops/attention_kernels.py",
+           "    return out.transpose(1, 2)\n",
+           "    return out.transpose(1, 2) * 1.01\n",
+           "the fused kernel's output is 1% too large (every layout would agree with a single device that has it)",
+           (f"{T_KERNELS}::test_fused_equals_the_reference",)),
+    Mutant("block-backward-stale-lse", "shardings/ops/attention_kernels.py",
+           "lse.to(accumulator(q.dtype)).contiguous(), 0.0, causal",
+           "(lse + 0.01).to(accumulator(q.dtype)).contiguous(), 0.0, causal",
+           "the block backward uses a log-sum-exp 0.01 off the merged one (probabilities 1% low)",
+           (f"{T_KERNELS}::test_blocks_merged_by_log_sum_exp_equal_the_whole", T_RING)),
     # -- MoE: router and capacity -----------------------------------------------------------------------
     Mutant("moe-capacity-floor", "models/moe.py",
            "return min(seq, math.ceil(cfg.capacity_factor * seq * cfg.top_k / cfg.experts))",

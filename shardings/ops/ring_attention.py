@@ -1,16 +1,23 @@
 """Attention that follows the layout: ring attention (context parallelism) when ``seq`` is sharded.
 
-:func:`attention` is what models call. Outside a mesh, or when the active rules leave the query's
-``seq`` dim whole, it is the plain reference (explicit einsums, float32 masked softmax). When the
-rules put ``seq`` on a mesh axis (preset ``cp``), it runs inside :func:`shard_map` over that axis:
+:func:`attention` is what models call; every path runs a fused kernel
+(:mod:`shardings.ops.attention_kernels`: ``F.scaled_dot_product_attention``, or the flash kernel's
+block form that also returns the log-sum-exp), so no ``seq × seq`` scores are ever saved.
+:func:`reference_attention` (explicit einsums, float32 masked softmax) is what the tests compare it
+against. Outside a mesh, the kernel runs on the tensors. When the active rules leave the query's
+``seq`` dim whole (dp, tp, ...), it runs on each rank's (batch, heads) blocks under
+:func:`shard_map`: attention is local to a rank's heads, so no communication. When the rules put
+``seq`` on a mesh axis (preset ``cp``), it runs inside :func:`shard_map` over that axis:
 
 * **ring** (default): each rank keeps its query block; K/V blocks travel around the axis with
-  ``ppermute`` (``cp − 1`` steps) and the partial results merge by the online-softmax
-  (log-sum-exp) rule. The backward (a ``torch.autograd.Function``) passes K/V around again with
-  the dK/dV accumulators travelling alongside (``cp`` steps: the last brings them home), so no
-  rank ever holds the full K/V, in forward or backward.
+  ``ppermute`` (``cp − 1`` steps); each block's output and log-sum-exp come from the kernel and
+  merge by the online-softmax rule. The backward (a ``torch.autograd.Function``) passes K/V around
+  again with the dK/dV accumulators travelling alongside (``cp`` steps: the last brings them
+  home); each block's part comes from the kernel's backward given the merged output and
+  log-sum-exp. No rank ever holds the full K/V, in forward or backward.
 * **all-gather** (preset ``cp_allgather``): K/V are all-gathered over the axis (their gradients
-  reduce-scattered back); simpler, ``cp`` times the K/V memory.
+  reduce-scattered back) and the kernel runs with a ``(L, cp·L)`` boolean mask; simpler, ``cp``
+  times the K/V memory.
 
 The variant is a rule, so layouts stay rule tables: the logical name ``kv_seq`` is the seq dim of
 K/V *as attention consumes them*: on the query's seq axis → ring; replicated → all-gather. A
@@ -34,10 +41,12 @@ from typing import Any, NamedTuple
 import einops
 import torch
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed.tensor import DTensor
 
 from shardings.comm.accounting import recorded_as
 from shardings.comm.collectives import all_gather, axis_index, axis_size, bind_mesh, ppermute
 from shardings.comm.shard_map import shard_map
+from shardings.ops import attention_kernels as kernels
 from shardings.spec.context import constrain, current
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, P
@@ -101,8 +110,8 @@ def _whole_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """One rank's block of :func:`reference_attention` (plain tensors, whole sequences)."""
-    return _whole_seq_attention(q, _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2]), causal)
+    """One rank's blocks (plain tensors, whole sequences) by the fused kernel."""
+    return kernels.fused(q, k, v, causal=causal)
 
 
 # -- the zigzag schedule ----------------------------------------------------------------------------
@@ -151,17 +160,7 @@ def ring_work(cp: int, causal: bool = True) -> list[int]:
     return work
 
 
-# -- the per-rank kernels (plain tensors; run once per simulated rank) ------------------------------
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    return einops.einsum(q.float(), _repeat_kv(k, q.shape[2]).float(), "b s h d, b t h d -> b h s t") * scale
-
-
-def _diagonal_mask(q: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-    c = q.shape[1] // 2
-    pos = torch.cat([_arange(q, c) + chunk * c for chunk in _chunks(rank, n)])  # global positions of the 2c rows
-    return pos[:, None] >= pos[None, :]
+# -- the per-rank blocks (plain tensors; run once per simulated rank) -------------------------------
 
 
 def _rows(half: slice, c: int) -> slice:
@@ -170,16 +169,14 @@ def _rows(half: slice, c: int) -> slice:
 
 @maybe_run_for_local_tensor
 def _forward_block(q, k, v, out, lse, rank, step: int, n: int, causal: bool, scale: float):
-    """Merge one K/V block into this rank's running ``out (b, L, h, d)`` and ``lse (b, h, L)`` (float32)."""
+    """Merge one K/V block into this rank's running ``out (b, L, h, d)`` and ``lse (b, h, L)`` (accumulator dtype).
+
+    The diagonal block is causal top-left: a rank's zigzag chunks ``r < 2n−1−r`` keep positions increasing.
+    """
     q_half, kv_half, masked = _schedule(int(rank), step, n, causal)
     c = q.shape[1] // 2
     qi, ki = _rows(q_half, c), _rows(kv_half, c)
-    s = _scores(q[:, qi], k[:, ki], scale)  # (b, h, lq, lk)
-    if masked:
-        s = s.masked_fill(~_diagonal_mask(q, int(rank), n), float("-inf"))
-    block_lse = s.logsumexp(-1)  # (b, h, lq): every row sees >= 1 key (its own position on the diagonal)
-    o = einops.einsum(torch.exp(s - block_lse[..., None]), _repeat_kv(v[:, ki], q.shape[2]).float(),
-                      "b h s t, b t h d -> b s h d")
+    o, block_lse = kernels.block_forward(q[:, qi], k[:, ki], v[:, ki], masked, scale)
     new_lse = torch.logaddexp(lse[..., qi], block_lse)
     to_rows = lambda w: einops.rearrange(torch.exp(w - new_lse), "b h s -> b s h 1")
     out, lse = out.clone(), lse.clone()
@@ -189,24 +186,17 @@ def _forward_block(q, k, v, out, lse, rank, step: int, n: int, causal: bool, sca
 
 
 @maybe_run_for_local_tensor
-def _backward_block(q, kv, dout, delta, lse, dq, dkv, rank, step: int, n: int, causal: bool, scale: float):
-    """Add one block's contribution to ``dq`` and to the travelling ``dkv`` (float32), flash-attention style."""
+def _backward_block(q, kv, dout, out, lse, dq, dkv, rank, step: int, n: int, causal: bool, scale: float):
+    """Add one block's part to ``dq`` and to the travelling ``dkv`` (accumulator dtype), from the merged out/lse."""
     q_half, kv_half, masked = _schedule(int(rank), step, n, causal)
-    c, heads = q.shape[1] // 2, q.shape[2]
+    c = q.shape[1] // 2
     qi, ki = _rows(q_half, c), _rows(kv_half, c)
-    k, v = kv[0][:, ki], kv[1][:, ki]
-    s = _scores(q[:, qi], k, scale)
-    if masked:
-        s = s.masked_fill(~_diagonal_mask(q, int(rank), n), float("-inf"))
-    p = torch.exp(s - lse[..., qi, None])  # (b, h, lq, lk): the final softmax probabilities of this block
-    do = dout[:, qi]
-    dp = einops.einsum(do, _repeat_kv(v, heads).float(), "b s h d, b t h d -> b h s t")
-    ds = p * (dp - delta[..., qi, None]) * scale
-    group_sum = lambda x: einops.reduce(x, "b t (k g) d -> b t k d", "sum", k=k.shape[2])
+    dq_, dk_, dv_ = kernels.block_backward(dout[:, qi], q[:, qi], kv[0][:, ki], kv[1][:, ki], out[:, qi], lse[..., qi],
+                                           masked, scale)
     dq, dkv = dq.clone(), dkv.clone()
-    dq[:, qi] += einops.einsum(ds, _repeat_kv(k, heads).float(), "b h s t, b t h d -> b s h d")
-    dkv[0][:, ki] += group_sum(einops.einsum(ds, q[:, qi].float(), "b h s t, b s h d -> b t h d"))
-    dkv[1][:, ki] += group_sum(einops.einsum(p, do, "b h s t, b s h d -> b t h d"))
+    dq[:, qi] += dq_
+    dkv[0][:, ki] += dk_
+    dkv[1][:, ki] += dv_
     return dq, dkv
 
 
@@ -232,16 +222,18 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> torch.Tensor:
         n, rank, scale = axis_size(ring.axis), axis_index(ring.axis), q.shape[-1] ** -0.5
-        out = q.new_zeros(q.shape, dtype=torch.float32)  # (b, L, h, d)
-        lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32)  # (b, h, L)
+        acc = kernels.accumulator(q.dtype)
+        out = q.new_zeros(q.shape, dtype=acc)  # (b, L, h, d)
+        lse = q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc)  # (b, h, L)
         kv = torch.stack((k, v))  # (2, b, L, kv_heads, d): one buffer per ring step
         for step in range(n):
             nxt = ring.send(kv) if step < n - 1 else None
             out, lse = _forward_block(q, kv[0], kv[1], out, lse, rank, step, n, ring.causal, scale)
             kv = nxt
+        out = out.to(q.dtype)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
@@ -249,13 +241,12 @@ class _RingAttention(torch.autograd.Function):
         ring: _Ring = ctx.ring
         with bind_mesh(ring.mesh):  # backward runs after shard_map returned: name the axis again
             n, rank, scale = axis_size(ring.axis), axis_index(ring.axis), q.shape[-1] ** -0.5
-            dout = dout.float()
-            delta = einops.rearrange((dout * out).sum(-1), "b s h -> b h s")  # rowsum(dO ∘ O)
-            dq = torch.zeros_like(dout)
+            dout, acc = dout.to(q.dtype), kernels.accumulator(q.dtype)
+            dq = torch.zeros_like(q, dtype=acc)
             kv = torch.stack((k, v))
-            dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv, accumulating every rank's part
+            dkv = torch.zeros_like(kv, dtype=acc)  # travels with kv, accumulating every rank's part
             for step in range(n):
-                dq, dkv = _backward_block(q, kv, dout, delta, lse, dq, dkv, rank, step, n, ring.causal, scale)
+                dq, dkv = _backward_block(q, kv, dout, out, lse, dq, dkv, rank, step, n, ring.causal, scale)
                 if step < n - 1:
                     kv = ring.send(kv)
                 dkv = ring.send(dkv)  # after the last step this brings dK/dV home
@@ -300,27 +291,29 @@ def _ring_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) 
 
 
 def _allgather_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> torch.Tensor:
-    heads, length = q.shape[2], q.shape[1]
-    k = _repeat_kv(all_gather(k, ring.axis, axis=1, tiled=True), heads)  # (b, n·L, heads, d); bwd: reduce-scatter
-    v = _repeat_kv(all_gather(v, ring.axis, axis=1, tiled=True), heads)
+    length = q.shape[1]
+    k = all_gather(k, ring.axis, axis=1, tiled=True)  # (b, n·L, kv_heads, d); backward: reduce-scatter
+    v = all_gather(v, ring.axis, axis=1, tiled=True)
     mask = None
-    if ring.causal:
+    if ring.causal:  # (L, n·L) booleans: this rank's queries sit at rank·L + s
         q_pos = axis_index(ring.axis).to(q.device) * length + _arange(q, length)  # global positions
         mask = q_pos[:, None] >= _arange(q, k.shape[1])[None, :]
-    return _softmax_attention(q, k, v, mask)
+    return kernels.fused(q, k, v, causal=False, mask=mask)
 
 
 # -- the public entry point -------------------------------------------------------------------------
 
 
 def _per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: P, mesh: Mesh, causal: bool) -> torch.Tensor:
-    """:func:`reference_attention` with seq whole: each rank's (batch, heads) blocks on their own, under
-    :func:`shard_map` (plain tensors: no sharding propagation per op, as torchtitan computes between its
-    column- and row-parallel linears), when the blocks are even; otherwise on the DTensors."""
+    """Attention with seq whole: each rank's (batch, heads) blocks by the fused kernel, under :func:`shard_map`
+    (plain tensors: no communication and no DTensor op strategy, as torchtitan computes between its column-
+    and row-parallel linears), when the blocks are even; otherwise the reference on the DTensors."""
     dims = q_spec.dim_axes() + ((),) * (4 - len(q_spec))
     batch, heads = mesh.axis_size(dims[0]), mesh.axis_size(dims[2])
-    if dims[3] or q.shape[0] % batch or q.shape[2] % heads or (dims[2] and k.shape[2] % heads):
+    if dims[3] or q.shape[0] % batch or q.shape[2] % heads:
         return reference_attention(q, k, v, causal=causal)
+    if dims[2] and k.shape[2] % heads:  # kv heads cannot follow q heads: repeat them
+        k, v = _repeat_kv(k, q.shape[2]), _repeat_kv(v, q.shape[2])
     spec = P(q_spec[0], None, q_spec[2])
     return shard_map(functools.partial(_local_attention, causal=causal), mesh, (spec, spec, spec), spec)(q, k, v)
 
@@ -332,11 +325,11 @@ def _axis_label(mesh: Mesh, axes: tuple[str, ...]) -> str:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
     """Multi-head attention (MHA/GQA/MQA) laid out by the active layout: ring attention under ``cp``.
 
-    With no active mesh, or rules that leave the query's ``seq`` whole, this is
-    :func:`reference_attention`. When the rules (``shardings.use(mesh, layout)``) map ``seq`` of
-    ``("batch", "seq", "heads", "head_dim")`` to mesh axes, it runs ring attention over them (or
-    all-gathers K/V when ``kv_seq`` is replicated: preset ``cp_allgather``); see the module
-    docstring. Values and gradients equal the reference's.
+    A fused kernel on every path (module docstring). With no active mesh it runs on the tensors; with
+    rules that leave the query's ``seq`` whole, on each rank's heads. When the rules
+    (``shardings.use(mesh, layout)``) map ``seq`` of ``("batch", "seq", "heads", "head_dim")`` to
+    mesh axes, it runs ring attention over them (or all-gathers K/V when ``kv_seq`` is replicated:
+    preset ``cp_allgather``); see the module docstring. Values and gradients equal the reference's.
 
     Args:
         q: ``(batch, seq, heads, head_dim)``.
@@ -356,7 +349,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     ctx = current()
     if ctx is None:
-        return reference_attention(q, k, v, causal=causal)
+        if any(isinstance(t, DTensor) for t in (q, k, v)):  # laid out, but no rules to read: DTensor ops
+            return reference_attention(q, k, v, causal=causal)
+        return kernels.fused(q, k, v, causal=causal)
     mesh, rules = ctx.mesh, ctx.rules
     q_spec = logical_to_spec(Q_NAMES, rules, mesh)
     seq_axes = q_spec.dim_axes()[1]
