@@ -1,0 +1,269 @@
+"""Pipeline-parallel schedules as data: each rank's actions in program order, a unit-time table, builders.
+
+A ``Schedule`` says *what* each rank does and in which order (forward, backward, send, receive); an executor
+runs it and ``shardings.pipeline.check`` proves it sound. Timing is derived, never stored: ``timeline`` runs
+the program with every F and B taking one unit, communication free and receives blocking until their send
+ran, which gives the table and the bubble of the GPipe/PipeDream figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+from shardings.spec.errors import ShardingError, sharding_error
+
+__all__ = ["SCHEDULES", "Action", "Schedule", "ScheduleError", "build", "gpipe", "one_f_one_b", "timeline"]
+
+COMPUTE = ("F", "B")
+COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_SHORT = {"F": "F", "B": "B", "SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
+# A receive waits for the send of the neighbouring stage: (send kind, stage offset of the sender).
+SENDER = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", +1)}
+
+
+class ScheduleError(ShardingError):
+    """A pipeline schedule that is incomplete, inconsistent or deadlocks. Subclass of ``ValueError``."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program.
+
+    ``kind`` is ``"F"``/``"B"`` (forward/backward of ``stage`` on microbatch ``mb``), ``"SEND_F"`` (activation
+    to stage+1), ``"RECV_F"`` (activation from stage-1), ``"SEND_B"`` (input-gradient to stage-1) or
+    ``"RECV_B"`` (output-gradient from stage+1). ``str`` is compact and omits the stage: ``F3``, ``B0``,
+    ``sF1``, ``rF1``, ``sB2``, ``rB2``.
+
+    >>> str(Action("RECV_F", stage=1, mb=2)), str(Action("B", 0, 0))
+    ('rF2', 'B0')
+    """
+
+    kind: str
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{_SHORT.get(self.kind, self.kind)}{self.mb}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every rank's actions in program order.
+
+    Args:
+        name: the schedule's name (``"gpipe"``, ``"1f1b"``, ...).
+        pp: number of pipeline ranks.
+        microbatches: microbatches per step.
+        ranks: ``ranks[r]`` is rank ``r``'s actions in the order it runs them.
+        stages_per_rank: model chunks per rank (1 here; interleaved schedules use more). Stage ``s`` lives on
+            rank ``s % pp``.
+
+    >>> print(gpipe(2, 2))
+    gpipe: pp=2, microbatches=2, bubble 33.3%
+    rank 0 | F0 F1 .  .  B0 B1
+    rank 1 | .  F0 F1 B0 B1 .
+    """
+
+    name: str
+    pp: int
+    microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    stages_per_rank: int = 1  # model chunks per rank; stage s runs on rank s % pp
+
+    @property
+    def stages(self) -> int:
+        """Number of pipeline stages (``pp * stages_per_rank``)."""
+        return self.pp * self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that owns ``stage``."""
+        return stage % self.pp
+
+    def table(self) -> str:
+        """Rows = ranks, columns = unit time slots; each F/B at the slot it runs in ``timeline``, idle as ``.``.
+
+        Sends and receives take no time and are not shown. Raises ``ScheduleError`` if the program deadlocks.
+        """
+        slots = timeline(self)
+        makespan = max((t + 1 for row in slots for t, _ in row), default=0)
+        cells = [["."] * makespan for _ in slots]
+        for r, row in enumerate(slots):
+            for t, action in row:
+                cells[r][t] = str(action)
+        width = max((len(c) for row in cells for c in row), default=1)
+        label = len(f"rank {self.pp - 1}")
+        lines = [f"{self.name}: pp={self.pp}, microbatches={self.microbatches}, bubble {self.bubble():.1%}"]
+        for r, row in enumerate(cells):
+            lines.append(f"{f'rank {r}':<{label}} | {' '.join(c.ljust(width) for c in row)}".rstrip())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def bubble(self) -> float:
+        """Idle fraction of the unit-time ``timeline``: idle slots / (pp × makespan).
+
+        GPipe and 1F1B both give ``(pp - 1) / (microbatches + pp - 1)``.
+
+        >>> gpipe(4, 4).bubble() == 3 / 7
+        True
+        """
+        slots = timeline(self)
+        busy = sum(len(row) for row in slots)
+        makespan = max((t + 1 for row in slots for t, _ in row), default=0)
+        return float(Fraction(self.pp * makespan - busy, self.pp * makespan)) if makespan else 0.0
+
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per rank, the most microbatches whose forward ran and backward has not (activations held).
+
+        >>> one_f_one_b(4, 8).peak_in_flight(), gpipe(4, 8).peak_in_flight()
+        ((4, 3, 2, 1), (8, 8, 8, 8))
+        """
+        peaks = []
+        for actions in self.ranks:
+            held = peak = 0
+            for a in actions:
+                held += {"F": 1, "B": -1}.get(a.kind, 0)
+                peak = max(peak, held)
+            peaks.append(peak)
+        return tuple(peaks)
+
+
+def timeline(schedule: Schedule) -> tuple[tuple[tuple[int, Action], ...], ...]:
+    """Run the program in unit time: per rank, ``(start slot, action)`` of each F and B.
+
+    Each rank runs its actions in order; F and B take one unit, a send records the time it ran (sends are
+    buffered and never block), a receive waits for the matching send of the neighbouring stage.
+
+    Raises:
+        ScheduleError: no rank can progress while some have actions left (a deadlock); names each stuck rank.
+
+    >>> [[f"{t}:{a}" for t, a in row] for row in timeline(gpipe(2, 1))]
+    [['0:F0', '3:B0'], ['1:F0', '2:B0']]
+    """
+    sent: dict[tuple[str, int, int], int] = {}
+    next_action = [0] * len(schedule.ranks)
+    clock = [0] * len(schedule.ranks)
+    slots: list[list[tuple[int, Action]]] = [[] for _ in schedule.ranks]
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, actions in enumerate(schedule.ranks):
+            while next_action[r] < len(actions):
+                a = actions[next_action[r]]
+                if a.kind in SENDER:
+                    send_kind, offset = SENDER[a.kind]
+                    if (send_kind, a.stage + offset, a.mb) not in sent:
+                        break
+                    clock[r] = max(clock[r], sent[send_kind, a.stage + offset, a.mb])
+                elif a.kind in COMPUTE:
+                    slots[r].append((clock[r], a))
+                    clock[r] += 1
+                else:
+                    sent[a.kind, a.stage, a.mb] = clock[r]
+                next_action[r] += 1
+                progressed = True
+    stuck = [(r, actions[next_action[r]]) for r, actions in enumerate(schedule.ranks) if next_action[r] < len(actions)]
+    if stuck:
+        waits = "; ".join(f"rank {r} waits at {a} ({_needs(schedule, a)})" for r, a in stuck)
+        raise sharding_error(
+            f"{schedule.name}: deadlock, no rank can progress: {waits}",
+            fix="make every rank send what its neighbour receives before it blocks on its own receive",
+            cls=ScheduleError,
+        )
+    return tuple(tuple(row) for row in slots)
+
+
+def _needs(schedule: Schedule, recv: Action) -> str:
+    """What a receive waits for, e.g. ``"needs sB0 from stage 1 on rank 1"``."""
+    send_kind, offset = SENDER[recv.kind]
+    peer = recv.stage + offset
+    return f"needs {Action(send_kind, peer, recv.mb)} from stage {peer} on rank {schedule.rank_of(peer)}"
+
+
+def _check_sizes(name: str, pp: int, microbatches: int) -> None:
+    for arg, value in (("pp", pp), ("microbatches", microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise sharding_error(f"{name}: {arg}={value!r}", fix=f"pass an integer {arg} >= 1", cls=ScheduleError)
+
+
+def _forward(stage: int, mb: int, last: int) -> list[Action]:
+    """Receive the activation (unless the first stage), run F, send it on (unless the last stage)."""
+    return [
+        *([Action("RECV_F", stage, mb)] if stage > 0 else []),
+        Action("F", stage, mb),
+        *([Action("SEND_F", stage, mb)] if stage < last else []),
+    ]
+
+
+def _backward(stage: int, mb: int, last: int) -> list[Action]:
+    """Receive the output-gradient (unless the last stage), run B, send the input-gradient back (unless first)."""
+    return [
+        *([Action("RECV_B", stage, mb)] if stage < last else []),
+        Action("B", stage, mb),
+        *([Action("SEND_B", stage, mb)] if stage > 0 else []),
+    ]
+
+
+def gpipe(pp: int, microbatches: int) -> Schedule:
+    """GPipe: every rank runs all forwards, then all backwards, both in microbatch order 0..m-1.
+
+    Backwards go 0..m-1 as in ``torch.distributed.pipelining.ScheduleGPipe`` (the paper's figure draws them
+    m-1..0; the makespan is the same). Each rank holds all ``m`` microbatches' activations at its peak.
+
+    >>> [str(a) for a in gpipe(2, 2).ranks[1]]
+    ['rF0', 'F0', 'rF1', 'F1', 'B0', 'sB0', 'B1', 'sB1']
+    """
+    _check_sizes("gpipe", pp, microbatches)
+    last = pp - 1
+    ranks = tuple(
+        tuple(
+            [a for mb in range(microbatches) for a in _forward(r, mb, last)]
+            + [a for mb in range(microbatches) for a in _backward(r, mb, last)]
+        )
+        for r in range(pp)
+    )
+    return Schedule("gpipe", pp, microbatches, ranks)
+
+
+def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then cool-down backwards.
+
+    Rank ``r`` runs ``min(pp - r - 1, m)`` warm-up forwards, so at most ``min(pp - r, m)`` microbatches are in
+    flight on it. Backwards in microbatch order. Sends and receives sit where
+    ``torch.distributed.pipelining.Schedule1F1B`` places them (it batches a send with the next receive):
+    each receive right before its F/B, each send right after.
+
+    >>> [str(a) for a in one_f_one_b(4, 4).ranks[1] if a.kind in ("F", "B")]
+    ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
+    """
+    _check_sizes("1f1b", pp, microbatches)
+    last = pp - 1
+    ranks = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, microbatches)
+        actions = [a for mb in range(warmup) for a in _forward(r, mb, last)]
+        for mb in range(microbatches):  # steady state: F of mb + warmup, then B of mb; cool-down: B only
+            if mb + warmup < microbatches:
+                actions += _forward(r, mb + warmup, last)
+            actions += _backward(r, mb, last)
+        ranks.append(tuple(actions))
+    return Schedule("1f1b", pp, microbatches, tuple(ranks))
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build(name: str, pp: int, microbatches: int) -> Schedule:
+    """The schedule ``name`` (a key of ``SCHEDULES``) for ``pp`` ranks and ``microbatches`` microbatches.
+
+    >>> build("1f1b", 2, 3).bubble() == 1 / 4
+    True
+    """
+    if name not in SCHEDULES:
+        raise sharding_error(
+            f"unknown pipeline schedule {name!r}", fix=f"use one of {sorted(SCHEDULES)}", cls=ScheduleError
+        )
+    return SCHEDULES[name](pp, microbatches)

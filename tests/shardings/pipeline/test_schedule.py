@@ -1,0 +1,224 @@
+"""Pipeline schedules: the papers' orders by hand, the checker against each kind of broken schedule, and the
+bubble / in-flight invariants over every small (pp, microbatches)."""
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shardings.pipeline.check import check
+from shardings.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    build,
+    gpipe,
+    one_f_one_b,
+    timeline,
+)
+
+_KIND = {"F": "F", "B": "B", "sF": "SEND_F", "rF": "RECV_F", "sB": "SEND_B", "rB": "RECV_B"}
+
+
+def programs(schedule: Schedule, compute_only: bool = False) -> list[str]:
+    """Each rank's program as a space-separated string of ``str(Action)``."""
+    return [" ".join(str(a) for a in actions if not compute_only or a.kind in ("F", "B")) for actions in schedule.ranks]
+
+
+def parse(program: str, stage: int) -> tuple[Action, ...]:
+    """``"rF0 F0 sF0"`` -> the actions of ``stage`` those labels name (the inverse of ``str(Action)``)."""
+    labels = [re.fullmatch(r"([a-zA-Z]+)(\d+)", word).groups() for word in program.split()]
+    return tuple(Action(_KIND[kind], stage, int(mb)) for kind, mb in labels)
+
+
+def with_rank(schedule: Schedule, rank: int, program: str, stage: int | None = None) -> Schedule:
+    """``schedule`` with rank ``rank``'s program replaced by ``program`` (of stage ``rank`` unless given)."""
+    ranks = list(schedule.ranks)
+    ranks[rank] = parse(program, rank if stage is None else stage)
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+def assert_dependencies_hold(schedule: Schedule) -> None:
+    """In ``timeline``, one compute per slot per rank, and each F/B starts after the computes it consumes."""
+    start = {a: t for row in timeline(schedule) for t, a in row}
+    for row in timeline(schedule):
+        assert [t for t, _ in row] == sorted({t for t, _ in row}), "one compute per slot per rank"
+    for action, t in start.items():
+        s, mb = action.stage, action.mb
+        inputs = [Action("F", s - 1, mb)] if action.kind == "F" else [Action("F", s, mb), Action("B", s + 1, mb)]
+        for dep in inputs:
+            assert dep not in start or t >= start[dep] + 1, (action, dep)
+    assert len(start) == 2 * schedule.stages * schedule.microbatches
+
+
+def test_action_str_is_compact_and_omits_the_stage():
+    labels = [str(Action(kind, stage=3, mb=1)) for kind in ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")]
+    assert labels == ["F1", "B1", "sF1", "rF1", "sB1", "rB1"]
+
+
+def test_gpipe_runs_all_forwards_then_backwards_in_order_like_torch():
+    assert programs(gpipe(2, 2)) == ["F0 sF0 F1 sF1 rB0 B0 rB1 B1", "rF0 F0 rF1 F1 B0 sB0 B1 sB1"]
+    assert programs(gpipe(2, 3)) == [
+        "F0 sF0 F1 sF1 F2 sF2 rB0 B0 rB1 B1 rB2 B2",
+        "rF0 F0 rF1 F1 rF2 F2 B0 sB0 B1 sB1 B2 sB2",
+    ]
+    assert programs(gpipe(1, 2)) == ["F0 F1 B0 B1"]
+
+
+def test_one_f_one_b_warms_up_then_alternates():
+    assert programs(one_f_one_b(2, 3)) == [
+        "F0 sF0 F1 sF1 rB0 B0 F2 sF2 rB1 B1 rB2 B2",
+        "rF0 F0 B0 sB0 rF1 F1 B1 sB1 rF2 F2 B2 sB2",
+    ]
+    # PipeDream-Flush (Narayanan et al. 2021, fig. 4): rank r does pp - r - 1 warm-up forwards.
+    assert programs(one_f_one_b(4, 4), compute_only=True) == [
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+    assert (
+        programs(one_f_one_b(4, 4))[1] == "rF0 F0 sF0 rF1 F1 sF1 rF2 F2 sF2 rB0 B0 sB0 rF3 F3 sF3 rB1 B1 sB1 "
+        "rB2 B2 sB2 rB3 B3 sB3"
+    )
+    # fewer microbatches than stages: warm-up is cut at m, so rank 0 is GPipe
+    assert programs(one_f_one_b(4, 2), compute_only=True)[0] == "F0 F1 B0 B1"
+
+
+def test_table_places_each_compute_at_its_unit_time_slot():
+    expected = "gpipe: pp=2, microbatches=2, bubble 33.3%\nrank 0 | F0 F1 .  .  B0 B1\nrank 1 | .  F0 F1 B0 B1 ."
+    assert gpipe(2, 2).table() == expected
+    assert str(gpipe(2, 2)) == expected
+    assert one_f_one_b(2, 3).table().splitlines()[1:] == [
+        "rank 0 | F0 F1 .  B0 F2 B1 .  B2",
+        "rank 1 | .  F0 B0 F1 B1 F2 B2 .",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rank", "program", "message"),
+    [
+        (1, "rF0 F0 rF1 F1 B0 sB0", r"rank 1, action B1 \(B of stage 1, mb 1\): missing"),
+        (1, "rF0 F0 rF1 B1 sB1 F1 B0 sB0", r"rank 1, action B1 .*: runs before its forward F1"),
+        (0, "F0 sF0 F1 sF1 sF1 rB0 B0 rB1 B1", r"rank 0, action sF1 .*: duplicated \(positions 3 and 4\)"),
+        (1, "rF0 F0 F1 B0 sB0 B1 sB1", r"rank 0, action sF1 .*: no matching rF1 \(RECV_F of stage 1\) on rank 1"),
+        (0, "F0 sF0 F1 rB0 B0 rB1 B1", r"rank 1, action rF1 .*: no matching sF1 \(SEND_F of stage 0\) on rank 0"),
+        (0, "F0 sF0 F1 sF1 rB0 B0 rB1 B1 sB1", r"rank 0, action sB1 .*: stage 0 has no neighbour stage -1"),
+        (0, "F0 sF0 sF1 F1 rB0 B0 rB1 B1", r"rank 0, action sF1 .*: comes before F1. Fix: move it after F1"),
+        (1, "rF0 F0 F1 rF1 B0 sB0 B1 sB1", r"rank 1, action rF1 .*: comes after F1. Fix: move it before F1"),
+        (0, "F0 sF0 F1 sF1 rB0 B0 rB1 B1 F2", r"rank 0, action F2 .*: no microbatch 2 among 2"),
+    ],
+)
+def test_check_names_the_rank_the_action_and_the_problem(rank, program, message):
+    check(gpipe(2, 2))  # the unedited schedule passes
+    with pytest.raises(ScheduleError, match=message):
+        check(with_rank(gpipe(2, 2), rank, program))
+
+
+def test_check_requires_both_ends_of_a_communication():
+    # neither sF1 nor rF1: nothing is unpaired, but stage 0's F1 goes nowhere and stage 1's F1 has no input
+    broken = with_rank(with_rank(gpipe(2, 2), 0, "F0 sF0 F1 rB0 B0 rB1 B1"), 1, "rF0 F0 F1 B0 sB0 B1 sB1")
+    with pytest.raises(ScheduleError, match=r"rank 0, action F1 .*: has no SEND_F \(sF1\). Fix: add sF1 after F1"):
+        check(broken)
+    broken = with_rank(broken, 0, "F0 sF0 F1 sF1 rB0 B0 rB1 B1")  # now rF1 is missing only: an unpaired send
+    with_receive = with_rank(broken, 1, "rF0 F0 rF1 F1 B0 sB0 B1 sB1")
+    check(with_receive)
+    without_backward_receive = with_rank(with_receive, 0, "F0 sF0 F1 sF1 rB0 B0 B1")
+    with pytest.raises(ScheduleError, match=r"rank 1, action sB1 .*: no matching rB1"):
+        check(without_backward_receive)
+
+
+def test_check_finds_a_deadlock_and_names_every_stuck_rank():
+    # both ranks receive before they send: rank 0 waits for a gradient of a forward rank 1 never got
+    broken = with_rank(gpipe(2, 1), 0, "rB0 F0 sF0 B0")
+    with pytest.raises(
+        ScheduleError,
+        match=re.escape(
+            "deadlock, no rank can progress: rank 0 waits at rB0 (needs sB0 from stage 1 on rank 1); "
+            "rank 1 waits at rF0 (needs sF0 from stage 0 on rank 0). Fix:"
+        ),
+    ):
+        check(broken)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        broken.table()
+
+
+def test_check_rejects_a_stage_on_the_wrong_rank():
+    broken = with_rank(gpipe(2, 1), 1, "rF0 F0 B0 sB0", stage=0)
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1, action rF0 \(RECV_F of stage 0, mb 0\): wrong rank: stage 0 "
+        r"runs on rank 0. Fix: move it to rank 0",
+    ):
+        check(broken)
+
+
+def test_check_rejects_a_malformed_schedule():
+    with pytest.raises(ScheduleError, match=r"1 rank programs for pp=2"):
+        check(dataclasses.replace(gpipe(2, 1), ranks=gpipe(2, 1).ranks[:1]))
+    with pytest.raises(ScheduleError, match=r"action X0 .*: unknown kind"):
+        check(dataclasses.replace(gpipe(1, 1), ranks=((Action("X", 0, 0),),)))
+
+
+def test_build_names_the_known_schedules_and_rejects_bad_sizes():
+    assert programs(build("1f1b", 3, 5)) == programs(one_f_one_b(3, 5))
+    with pytest.raises(
+        ScheduleError, match=re.escape("unknown pipeline schedule 'zb'. Fix: use one of ['1f1b', 'gpipe']")
+    ):
+        build("zb", 2, 2)
+    for name in SCHEDULES:
+        with pytest.raises(ValueError, match=r"pp=0. Fix: pass an integer pp >= 1"):
+            build(name, 0, 4)
+        with pytest.raises(ValueError, match=r"microbatches=0. Fix: pass an integer microbatches >= 1"):
+            build(name, 2, 0)
+
+
+sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
+
+
+@given(sizes)
+def test_both_schedules_check_and_have_the_textbook_bubble(size):
+    pp, m = size
+    for name in SCHEDULES:
+        schedule = build(name, pp, m)
+        check(schedule)
+        # both sides are the correctly rounded float of the same rational, so == is exact
+        assert schedule.bubble() == (pp - 1) / (m + pp - 1), name
+    assert one_f_one_b(pp, m).peak_in_flight() == tuple(min(pp - r, m) for r in range(pp))
+    assert gpipe(pp, m).peak_in_flight()[0] == m
+
+
+@given(sizes, st.sampled_from(sorted(SCHEDULES)))
+def test_timeline_respects_every_dependency(size, name):
+    assert_dependencies_hold(build(name, *size))
+
+
+@given(sizes, st.sampled_from(sorted(SCHEDULES)), st.data())
+def test_dropping_any_action_is_caught(size, name, data):
+    schedule = build(name, *size)
+    rank = data.draw(st.integers(0, size[0] - 1))
+    drop = data.draw(st.integers(0, len(schedule.ranks[rank]) - 1))
+    ranks = list(schedule.ranks)
+    ranks[rank] = ranks[rank][:drop] + ranks[rank][drop + 1 :]
+    with pytest.raises(ScheduleError, match=r"rank \d"):
+        check(dataclasses.replace(schedule, ranks=tuple(ranks)))
+
+
+@given(sizes, st.sampled_from(sorted(SCHEDULES)), st.data())
+def test_swapping_neighbours_either_passes_or_is_rejected_cleanly(size, name, data):
+    schedule = build(name, *size)
+    rank = data.draw(st.integers(0, size[0] - 1))
+    actions = list(schedule.ranks[rank])
+    if len(actions) < 2:
+        return
+    i = data.draw(st.integers(0, len(actions) - 2))
+    actions[i], actions[i + 1] = actions[i + 1], actions[i]
+    swapped = dataclasses.replace(schedule, ranks=(*schedule.ranks[:rank], tuple(actions), *schedule.ranks[rank + 1 :]))
+    try:
+        check(swapped)
+    except ScheduleError:
+        return
+    assert_dependencies_hold(swapped)  # a swap the checker lets through still runs in dependency order
