@@ -31,6 +31,7 @@ import core
 from models.hf_llama import config_from_hf, from_hf_llama, hf_config, to_hf_llama
 from models.layers import attention, cross_entropy, einsum, embedding, next_token_batch, rms_norm, rope, swiglu
 from shardings import constrain
+from shardings.pipeline import Stages
 
 __all__ = [
     "Config",
@@ -44,6 +45,7 @@ __all__ = [
     "init",
     "logits",
     "loss",
+    "stages",
     "to_hf_llama",
 ]
 
@@ -245,8 +247,30 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
     """
+    return stages(cfg).loss(params, batch)
+
+
+def stages(cfg: Config) -> Stages:
+    """The pipeline declaration (``shardings.pipeline``): embedding, decoder blocks, head and loss.
+
+    :func:`loss` is these composed, so a pipelined run's reference is this model's own loss.
+
+    >>> cfg = Config(layers=1)
+    >>> params, batch = init(core.random.key(0), cfg), example_batch(cfg, 2)
+    >>> bool(stages(cfg).loss(params, batch) == loss(params, batch, cfg))
+    True
+    """
+    block = functools.partial(_block, cfg=cfg)
+    if cfg.remat:
+        block = core.remat(block)
+    return Stages(first=lambda params, batch: embed(params, batch["tokens"]),
+                  block=lambda p, x, i: block(p, x),
+                  last=functools.partial(_head_loss, cfg=cfg))
+
+
+def _head_loss(params: Params, x: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
     labels = constrain(batch["labels"], BATCH_INPUT)  # laid out like the logits' (batch, seq)
-    return cross_entropy(apply(params, batch["tokens"], cfg), labels, cfg.ignore_index)
+    return cross_entropy(logits(params, x, cfg), labels, cfg.ignore_index)
 
 
 def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 import core
 from models.layers import cross_entropy, next_token_batch, rms_norm
 from shardings import constrain
+from shardings.pipeline import Stages
 
-__all__ = ["Config", "apply", "axes", "example_batch", "init", "loss"]
+__all__ = ["Config", "apply", "axes", "example_batch", "init", "loss", "stages"]
 
 Params = dict[str, Any]
 RESIDUAL = ("batch", "seq", "embed")
@@ -104,12 +105,24 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     >>> apply(init(core.random.key(0), Config()), torch.zeros(2, 3, dtype=torch.int64), Config()).shape
     torch.Size([2, 3, 256])
     """
-    tokens = constrain(tokens, ("batch", "seq"))  # a plain batch becomes a DTensor under a mesh
-    x = constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
+    x = _embed(params, tokens)
     for p in params["blocks"]:
-        h = constrain(rms_norm(x, p["norm"], cfg.norm_eps), BLOCK_INPUT)
-        hidden = constrain(F.gelu(h @ p["w_up"]), ("batch", "seq", "mlp"))  # (batch, seq, mlp)
-        x = x + constrain(hidden @ p["w_down"], RESIDUAL)
+        x = _block(p, x, cfg)
+    return _logits(params, x, cfg)
+
+
+def _embed(params: Params, tokens: torch.Tensor) -> torch.Tensor:
+    tokens = constrain(tokens, ("batch", "seq"))  # a plain batch becomes a DTensor under a mesh
+    return constrain(F.embedding(tokens, params["embed"]), RESIDUAL)  # (batch, seq, dim)
+
+
+def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    h = constrain(rms_norm(x, p["norm"], cfg.norm_eps), BLOCK_INPUT)
+    hidden = constrain(F.gelu(h @ p["w_up"]), ("batch", "seq", "mlp"))  # (batch, seq, mlp)
+    return x + constrain(hidden @ p["w_down"], RESIDUAL)
+
+
+def _logits(params: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     x = constrain(rms_norm(x, params["final_norm"], cfg.norm_eps), BLOCK_INPUT)
     return constrain(x @ params["unembed"], ("batch", "seq", "vocab"))
 
@@ -120,8 +133,15 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), Config()), example_batch(Config(), 2), Config()).shape
     torch.Size([])
     """
-    labels = constrain(batch["labels"], ("batch", "seq"))
-    return cross_entropy(apply(params, batch["tokens"], cfg), labels, cfg.ignore_index)
+    return stages(cfg).loss(params, batch)
+
+
+def stages(cfg: Config) -> Stages:
+    """The pipeline declaration (``shardings.pipeline``); :func:`loss` is these composed."""
+    return Stages(first=lambda params, batch: _embed(params, batch["tokens"]),
+                  block=lambda p, x, i: _block(p, x, cfg),
+                  last=lambda params, x, batch: cross_entropy(
+                      _logits(params, x, cfg), constrain(batch["labels"], ("batch", "seq")), cfg.ignore_index))
 
 
 def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:

@@ -58,9 +58,11 @@ import core
 from models import gpt
 from models.layers import cross_entropy, einsum, next_token_batch, rms_norm
 from shardings import P, all_to_all, constrain, current, logical_to_spec, psum, shard_map
+from shardings.pipeline import Stages
 from shardings.spec.errors import sharding_error
 
-__all__ = ["Config", "apply", "apply_with_aux", "axes", "capacity", "example_batch", "init", "loss", "moe_mlp"]
+__all__ = ["Config", "apply", "apply_with_aux", "axes", "capacity", "example_batch", "init", "loss", "moe_mlp",
+           "stages"]
 
 Params = dict[str, Any]
 Aux = dict[str, torch.Tensor]
@@ -296,18 +298,27 @@ def apply_with_aux(params: Params, tokens: torch.Tensor, cfg: Config) -> tuple[t
     >>> logits.shape, aux["z_loss"].shape
     (torch.Size([2, 4, 256]), torch.Size([2]))
     """
-    x = gpt.embed(params, tokens)  # (batch, seq, dim)
+    carry, block = (gpt.embed(params, tokens), {}), _carry_block(cfg)  # ((batch, seq, dim), aux so far)
+    for i, p in enumerate(params["blocks"]):
+        carry = block(p, carry, i)
+    x, total = carry
+    return gpt.logits(params, x, cfg), total
+
+
+def _carry_block(cfg: Config):
+    """Block ``i`` on the carry ``(x, aux summed so far)``: dense or MoE by ``cfg.is_moe(i)``."""
     dense, sparse = functools.partial(gpt._block, cfg=cfg), functools.partial(_block, cfg=cfg)
     if cfg.remat:
         dense, sparse = core.remat(dense), core.remat(sparse)
-    total: Aux = {}
-    for i, p in enumerate(params["blocks"]):
-        if cfg.is_moe(i):
-            x, aux = sparse(p, x)
-            total = {k: total[k] + v for k, v in aux.items()} if total else aux
-        else:
-            x = dense(p, x)
-    return gpt.logits(params, x, cfg), total
+
+    def block(p: Params, carry: tuple[torch.Tensor, Aux], i: int) -> tuple[torch.Tensor, Aux]:
+        x, total = carry
+        if not cfg.is_moe(i):
+            return dense(p, x), total
+        x, aux = sparse(p, x)
+        return x, ({k: total[k] + v for k, v in aux.items()} if total else aux)
+
+    return block
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -334,9 +345,23 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
     """
+    return stages(cfg).loss(params, batch)
+
+
+def stages(cfg: Config) -> Stages:
+    """The pipeline declaration (``shardings.pipeline``): the carry between blocks is ``(x, aux so far)``.
+
+    :func:`loss` is these composed.
+    """
+    return Stages(first=lambda params, batch: (gpt.embed(params, batch["tokens"]), {}), block=_carry_block(cfg),
+                  last=functools.partial(_head_loss, cfg=cfg))
+
+
+def _head_loss(params: Params, carry: tuple[torch.Tensor, Aux], batch: dict[str, torch.Tensor],
+               cfg: Config) -> torch.Tensor:
+    x, aux = carry
     labels = constrain(batch["labels"], gpt.BATCH_INPUT)
-    logits, aux = apply_with_aux(params, batch["tokens"], cfg)
-    ce = cross_entropy(logits, labels, cfg.ignore_index)
+    ce = cross_entropy(gpt.logits(params, x, cfg), labels, cfg.ignore_index)
     if not aux:
         return ce
     per_row = cfg.aux_loss_coef * aux["load_balance"] + cfg.z_loss_coef * aux["z_loss"]  # (batch,)

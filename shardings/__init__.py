@@ -3,12 +3,12 @@
 The public surface is this module (``shardings.P``, ``shardings.train_step``, ...). The code lives in
 subpackages by concern, and imports between them go one way — each may import only those before it::
 
-    spec → runtime → comm → residency → ops → step → checkpoint → testing
+    spec → runtime → comm → residency → ops → pipeline → step → checkpoint → testing
 
 (``tests/test_architecture.py`` checks it on the source; docs/internals.md walks through them).
 """
 
-from shardings import checkpoint, testing
+from shardings import checkpoint, pipeline, testing
 from shardings.comm.accounting import Comms, comms, memory
 from shardings.comm.collectives import (
     all_gather,
@@ -70,6 +70,7 @@ __all__ = [
     "module_tp",
     "partial_axes",
     "per_rank",
+    "pipeline",
     "pmean",
     "ppermute",
     "psum",

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["PeakMemory", "peak_memory"]
+__all__ = ["PeakMemory", "peak_memory", "storages"]
 
 
 @dataclass
@@ -43,12 +43,13 @@ class PeakMemory:
     peak: int = 0
 
 
-def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages holding ``t``'s data: its own, or its inner tensors' (DTensor, LocalTensor: one per rank)."""
     if is_traceable_wrapper_subclass(t):
         for name in t.__tensor_flatten__()[0]:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):
-                yield from _storages(inner)
+                yield from storages(inner)
     elif t.device.type != "meta":
         yield t.untyped_storage()
 
@@ -62,7 +63,7 @@ class _Tracker(TorchDispatchMode):
     def track(self, obj: object) -> None:
         for t in tree_leaves(obj):
             if isinstance(t, torch.Tensor):
-                for st in _storages(t):
+                for st in storages(t):
                     if st not in self.sizes:
                         self._add(st)
         self.out.peak = max(self.out.peak, self.out.live)

@@ -8,7 +8,7 @@ May import: everything in ``shardings``, through its public surface too (the top
 
 from typing import Any
 
-from shardings.testing.equivalence import EquivalenceError, Report, Row, check_equivalence, compare_trees
+from shardings.testing.equivalence import EquivalenceError, Report, Row, check_equivalence, check_runs, compare_trees
 from shardings.testing.tolerance import ULPS, Diff, Tolerance, assert_close, diff, tolerance
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Tolerance",
     "assert_close",
     "check_equivalence",
+    "check_runs",
     "compare_trees",
     "diff",
     "layouts",

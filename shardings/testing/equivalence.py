@@ -21,7 +21,7 @@ from shardings.step.initialize import init as sharded_init
 from shardings.step.train_step import train_step
 from shardings.testing.tolerance import ULPS, diff, tolerance
 
-__all__ = ["EquivalenceError", "Report", "Row", "check_equivalence", "compare_trees"]
+__all__ = ["EquivalenceError", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
 
 
 class EquivalenceError(AssertionError):
@@ -266,25 +266,44 @@ def check_equivalence(
     axes = axes(cfg) if callable(axes) else axes
     loss_fn = functools.partial(loss, cfg=cfg)
     key = core.random.key(seed)
-    make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
-    terms = terms or max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
-    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps)
-    rows: list[Row] = []
+    runs = {}
     for layout in layouts:
         layout = get_layout(layout)
         step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb)
-        got = _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
-        for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, got)):
+        runs[layout.name] = functools.partial(_run_layout, runtime, init, loss_fn, axes, cfg, batch, optimizer, steps,
+                                              key, layout, mesh, step_kw)
+    return check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm, seed=seed,
+                      terms=terms, ulps=ulps, raise_on_failure=raise_on_failure, where=f" on {mesh!r}")
+
+
+def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[Any, Any], Any],
+               loss: Callable[..., torch.Tensor], cfg: Any, batch: Any, *, steps: int = 3, optimizer: Any = None,
+               clip_norm: float | None = None, seed: int = 0, terms: int | None = None, ulps: float = ULPS,
+               raise_on_failure: bool = True, where: str = "") -> Report:
+    """:func:`check_equivalence` for any way of training: each of ``runs`` (by name) is a function returning, per
+    step, one ``{"loss", "grads", "params"}`` tree of full plain tensors per rank; compared with the single-device
+    reference (same optimizer, clipping, seed, and allowances) and reported the same way.
+
+    >>> report = check_runs({"1f1b": my_pipeline_run}, models.gpt.init, models.gpt.loss, cfg, batch)  # doctest: +SKIP
+    """
+    optimizer = optimizer if optimizer is not None else functools.partial(core.optim.adamw, 1e-3)
+    make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
+    terms = terms or max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
+    loss_fn, key = functools.partial(loss, cfg=cfg), core.random.key(seed)
+    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps)
+    rows: list[Row] = []
+    for name, run in runs.items():
+        for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, run(), strict=True)):
             for quantity, want in (("loss", ref_loss), ("grads", ref_grads), ("params", ref_params)):
                 extra = slack[i][quantity]
                 results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, slack=extra) for r in per_ranks]
                 abs_, rel, used, path, ok = max(results, key=lambda r: (not r[4], r[2]))
-                rows.append(Row(layout.name, i + 1, quantity, abs_, rel, used, path or "<scalar>", ok))
+                rows.append(Row(name, i + 1, quantity, abs_, rel, used, path or "<scalar>", ok))
     report = Report(rows)
     if raise_on_failure and not report.ok:
         w = report.worst()
         raise EquivalenceError(
-            f"layout {w.layout!r} on {mesh!r}: {w.quantity} differ from the single-device reference at step {w.step}, "
+            f"layout {w.layout!r}{where}: {w.quantity} differ from the single-device reference at step {w.step}, "
             f"worst at {w.worst_path} (max abs {w.max_abs:.3e}, relative norm {w.rel_norm:.3e}, {w.used:.1f}x the "
             f"allowed difference).\n{report.table()}"
         )

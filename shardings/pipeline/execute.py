@@ -1,0 +1,247 @@
+"""Run a pipeline schedule: every rank's actions, point-to-point messages passed in this process.
+
+:func:`run` executes a checked :class:`~shardings.pipeline.schedule.Schedule` for a model's
+:class:`~shardings.pipeline.stages.Stages` on microbatches. All ranks' programs run in this process
+(simulated ranks): ranks take turns, each running its actions until it waits on a receive whose
+message has not been sent; a send puts the message in an in-process mailbox (buffered, as a batched
+``isend``). So any valid schedule runs, and its results do not depend on the interleaving.
+
+* **F** of stage ``s`` runs its blocks on the received carry (stage 0: ``first`` on the microbatch)
+  and keeps the autograd graph until **B**; the last stage's output is the microbatch's loss times its
+  token share, so the losses add up to the global batch's token mean.
+* **B** backpropagates the received output gradient (last stage: 1) into the stage's parameters,
+  accumulated over microbatches in one buffer per parameter (``no_sync``: reduced once per step by the
+  caller), and into the carry it received, which **SEND_B** passes to the previous stage. Parameters
+  used by two stages (a tied embedding on the first and the last) get both gradients summed.
+* Every action is timed (``timeline``), every message counted (``p2p``, and as ``send`` on axis ``pp`` in
+  :func:`shardings.comms`), and each rank's activations saved for backward are tracked
+  (``saved_peak``: the most bytes held at once, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardings.comm.accounting import recorded_as
+from shardings.comm.peak_memory import storages
+from shardings.pipeline.check import check
+from shardings.pipeline.schedule import Action, Schedule
+from shardings.pipeline.stages import Split, Stages
+
+__all__ = ["Message", "Result", "Timed", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    kind: str  # "F": an activation to stage + 1; "B": a gradient to stage - 1
+    stage: int  # the sending stage
+    mb: int
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Result:
+    loss: torch.Tensor  # the global batch's token mean (detached)
+    grads: Any  # like params: gradients summed over microbatches and stages
+    timeline: list[Timed]
+    saved_peak: list[int]  # per rank: most bytes of activations saved for backward at once
+    p2p: list[Message]
+
+    def bubble(self) -> list[float]:
+        """Each rank's idle fraction: 1 − (its busy time) / (first start to last end over all ranks)."""
+        t0, t1 = min(t.start for t in self.timeline), max(t.end for t in self.timeline)
+        busy = [0.0] * len(self.saved_peak)
+        for t in self.timeline:
+            busy[t.rank] += t.end - t.start
+        return [1 - b / (t1 - t0) for b in busy]
+
+
+class _Saved:
+    """Bytes of tensors saved for backward per rank, parameters' storage excluded, each storage once."""
+
+    def __init__(self, ranks: int, param_ptrs: set[int]):
+        self.live, self.peak = [0] * ranks, [0] * ranks
+        self.refs: list[dict[int, int]] = [{} for _ in range(ranks)]
+        self.param_ptrs = param_ptrs
+
+    def hooks(self, rank: int) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> Any:
+            st = next(storages(t), None)  # one rank's piece (simulated ranks hold the same shapes)
+            if st is None or st.data_ptr() in self.param_ptrs:
+                return t
+            return _Held(self, rank, st, t)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t if isinstance(held, _Held) else held)
+
+    def add(self, rank: int, ptr: int, nbytes: int) -> None:
+        refs = self.refs[rank]
+        refs[ptr] = refs.get(ptr, 0) + 1
+        if refs[ptr] == 1:
+            self.live[rank] += nbytes
+            self.peak[rank] = max(self.peak[rank], self.live[rank])
+
+    def drop(self, rank: int, ptr: int, nbytes: int) -> None:
+        refs = self.refs[rank]
+        refs[ptr] -= 1
+        if not refs[ptr]:
+            del refs[ptr]
+            self.live[rank] -= nbytes
+
+
+class _Held:
+    def __init__(self, saved: _Saved, rank: int, st: torch.UntypedStorage, t: torch.Tensor):
+        self.saved, self.rank, self.ptr, self.nbytes, self.t = saved, rank, st.data_ptr(), st.nbytes(), t
+        saved.add(rank, self.ptr, self.nbytes)
+
+    def __del__(self) -> None:
+        self.saved.drop(self.rank, self.ptr, self.nbytes)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(x.numel() * x.element_size() for x in _tensors(tree))
+
+
+def _receivable(tree: Any) -> Any:
+    """A received carry: a fresh leaf per floating tensor, so backward stops here and yields its gradient."""
+    return pytree.tree_map(lambda x: x.detach().requires_grad_(x.is_floating_point())
+                           if isinstance(x, torch.Tensor) else x, tree)
+
+
+class _Runner:
+    def __init__(self, schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
+                 weights: Sequence[float]):
+        self.schedule, self.stages, self.split = schedule, stages, split
+        self.microbatches, self.weights = microbatches, weights
+        self.params = pytree.tree_map(lambda x: x.detach().requires_grad_(x.is_floating_point())
+                                      if isinstance(x, torch.Tensor) else x, params)
+        self.grads: dict[int, torch.Tensor] = {}  # id(leaf) -> accumulated gradient
+        self.leaves = self._stage_leaves()
+        ptrs = {st.data_ptr() for x in _tensors(self.params) for st in storages(x)}
+        self.saved = _Saved(schedule.pp, ptrs)
+        self.inputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> received carry
+        self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (stage, mb) -> (input carry, output)
+        self.out_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient received for the output
+        self.in_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient of the input, to send
+        self.mailbox: dict[tuple[str, int, int], Any] = {}  # (kind, receiving stage, mb) -> payload
+        self.losses: list[torch.Tensor] = []
+        self.timeline: list[Timed] = []
+        self.p2p: list[Message] = []
+
+    def _stage_leaves(self) -> list[list[torch.Tensor]]:
+        """The parameters each stage may use: its blocks; the rest on the first and the last stage."""
+        rest = {k: v for k, v in self.params.items() if k != self.stages.blocks}
+        blocks = self.params[self.stages.blocks]
+        out = []
+        for s, r in enumerate(self.split.ranges):
+            mine = [blocks[i] for i in r] + ([rest] if s in (0, self.split.stages - 1) else [])
+            out.append([x for x in _tensors(mine) if x.requires_grad])
+        return out
+
+    def ready(self, a: Action) -> bool:
+        if a.kind == "RECV_F":
+            return ("F", a.stage, a.mb) in self.mailbox
+        if a.kind == "RECV_B":
+            return ("B", a.stage, a.mb) in self.mailbox
+        return True
+
+    def do(self, rank: int, a: Action) -> None:
+        start = time.perf_counter()
+        getattr(self, "_" + a.kind.lower())(rank, a.stage, a.mb)
+        self.timeline.append(Timed(rank, a, start, time.perf_counter()))
+
+    def _f(self, rank: int, s: int, mb: int) -> None:
+        batch = self.microbatches[mb]
+        with self.saved.hooks(rank):
+            carry = self.stages.first(self.params, batch) if s == 0 else self.inputs.pop((s, mb))
+            x = carry
+            for i in self.split.ranges[s]:
+                x = self.stages.block(self.params[self.stages.blocks][i], x, i)
+            if s == self.split.stages - 1:
+                x = self.stages.last(self.params, x, batch) * self.weights[mb]
+                self.losses.append(x.detach())
+        self.graphs[(s, mb)] = (carry, x)
+
+    def _b(self, rank: int, s: int, mb: int) -> None:
+        carry, out = self.graphs.pop((s, mb))
+        last = s == self.split.stages - 1
+        outs = [out] if last else _tensors(out)
+        cots = [torch.ones_like(out)] if last else _tensors(self.out_grads.pop((s, mb)))
+        pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
+        inputs = [] if s == 0 else [x for x in _tensors(carry) if x.requires_grad]
+        leaves = self.leaves[s]
+        grads = torch.autograd.grad([o for o, _ in pairs], inputs + leaves, [c for _, c in pairs], allow_unused=True)
+        for leaf, g in zip(leaves, grads[len(inputs):]):
+            if g is not None:
+                held = self.grads.get(id(leaf))
+                self.grads[id(leaf)] = g if held is None else held + g
+        if s > 0:
+            it = iter(grads[: len(inputs)])
+            self.in_grads[(s, mb)] = pytree.tree_map(
+                lambda x: (next(it) if x.requires_grad else torch.zeros_like(x)) if isinstance(x, torch.Tensor) else x,
+                carry)
+
+    def _send(self, kind: str, s: int, mb: int, payload: Any) -> None:
+        to = s + 1 if kind == "F" else s - 1
+        nbytes = _nbytes(payload)
+        self.p2p.append(Message(kind, s, mb, nbytes))
+        with recorded_as("send", "pp", nbytes):
+            self.mailbox[(kind, to, mb)] = pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, payload)
+
+    def _send_f(self, rank: int, s: int, mb: int) -> None:
+        self._send("F", s, mb, self.graphs[(s, mb)][1])
+
+    def _send_b(self, rank: int, s: int, mb: int) -> None:
+        self._send("B", s, mb, self.in_grads.pop((s, mb)))
+
+    def _recv_f(self, rank: int, s: int, mb: int) -> None:
+        self.inputs[(s, mb)] = _receivable(self.mailbox.pop(("F", s, mb)))
+
+    def _recv_b(self, rank: int, s: int, mb: int) -> None:
+        self.out_grads[(s, mb)] = self.mailbox.pop(("B", s, mb))
+
+
+def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
+        weights: Sequence[float]) -> Result:
+    """Run ``schedule`` on simulated ranks (module docstring); ``weights[i]``: microbatch ``i``'s token share.
+
+    Raises:
+        ScheduleError: the schedule does not check (before any work).
+        ValueError: the schedule, the split and the microbatches disagree on their counts.
+    """
+    check(schedule)
+    if schedule.pp != split.stages or schedule.microbatches != len(microbatches) or len(weights) != len(microbatches):
+        raise ValueError(f"pipeline run: schedule for pp={schedule.pp}, m={schedule.microbatches}, but a split into "
+                         f"{split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. Fix: "
+                         "build the schedule and the split for the same pp and pass one weight per microbatch.")
+    runner = _Runner(schedule, stages, split, params, microbatches, weights)
+    pending = [list(actions) for actions in schedule.ranks]
+    while any(pending):
+        progressed = False
+        for rank, actions in enumerate(pending):
+            while actions and runner.ready(actions[0]):
+                runner.do(rank, actions.pop(0))
+                progressed = True
+        if not progressed:  # check() rules this out; never spin
+            raise RuntimeError(f"pipeline run: no rank can progress; next actions {[a[:1] for a in pending]}")
+    grads = pytree.tree_map(lambda x: runner.grads.get(id(x), torch.zeros_like(x))
+                            if isinstance(x, torch.Tensor) and x.requires_grad else None, runner.params)
+    return Result(torch.stack(runner.losses).sum(), grads, runner.timeline, runner.saved.peak, runner.p2p)
