@@ -6,9 +6,10 @@ rank that :func:`check` accepts) says what each rank does in which order; :func:
 """
 
 from shardings.pipeline.check import check
-from shardings.pipeline.execute import Message, Result, Timed, run
+from shardings.pipeline.execute import Result, Timed, run
 from shardings.pipeline.schedule import SCHEDULES, Action, Schedule, ScheduleError, build, gpipe, one_f_one_b
 from shardings.pipeline.stages import Split, Stages, split
+from shardings.pipeline.wire import Message
 
 __all__ = [
     "SCHEDULES",

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from shardings.comm.accounting import recorded_as
@@ -33,6 +34,7 @@ from shardings.comm.peak_memory import storages
 from shardings.pipeline.check import check
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
+from shardings.pipeline.wire import Message, Wire, templates
 
 __all__ = ["Message", "Result", "Timed", "run"]
 
@@ -45,14 +47,6 @@ class Timed:
     end: float
 
 
-@dataclasses.dataclass(frozen=True)
-class Message:
-    kind: str  # "F": an activation to stage + 1; "B": a gradient to stage - 1
-    stage: int  # the sending stage
-    mb: int
-    nbytes: int
-
-
 @dataclasses.dataclass
 class Result:
     loss: torch.Tensor  # the global batch's token mean (detached)
@@ -62,11 +56,15 @@ class Result:
     p2p: list[Message]
 
     def bubble(self) -> list[float]:
-        """Each rank's idle fraction: 1 − (its busy time) / (first start to last end over all ranks)."""
+        """Each rank's idle fraction: 1 − (its F and B time) / (first start to last end over all ranks).
+
+        Meaningful for real ranks (``run(..., mesh=)`` gathers every rank's timeline); simulated ranks take turns.
+        """
         t0, t1 = min(t.start for t in self.timeline), max(t.end for t in self.timeline)
         busy = [0.0] * len(self.saved_peak)
         for t in self.timeline:
-            busy[t.rank] += t.end - t.start
+            if t.action.kind in ("F", "B"):
+                busy[t.rank] += t.end - t.start
         return [1 - b / (t1 - t0) for b in busy]
 
 
@@ -127,8 +125,8 @@ def _receivable(tree: Any) -> Any:
 
 class _Runner:
     def __init__(self, schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
-                 weights: Sequence[float]):
-        self.schedule, self.stages, self.split = schedule, stages, split
+                 weights: Sequence[float], transport: Any):
+        self.schedule, self.stages, self.split, self.transport = schedule, stages, split, transport
         self.microbatches, self.weights = microbatches, weights
         self.params = pytree.tree_map(lambda x: x.detach().requires_grad_(x.is_floating_point())
                                       if isinstance(x, torch.Tensor) else x, params)
@@ -140,10 +138,8 @@ class _Runner:
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (stage, mb) -> (input carry, output)
         self.out_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient received for the output
         self.in_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient of the input, to send
-        self.mailbox: dict[tuple[str, int, int], Any] = {}  # (kind, receiving stage, mb) -> payload
         self.losses: list[torch.Tensor] = []
         self.timeline: list[Timed] = []
-        self.p2p: list[Message] = []
 
     def _stage_leaves(self) -> list[list[torch.Tensor]]:
         """The parameters each stage may use: its blocks; the rest on the first and the last stage."""
@@ -156,11 +152,7 @@ class _Runner:
         return out
 
     def ready(self, a: Action) -> bool:
-        if a.kind == "RECV_F":
-            return ("F", a.stage, a.mb) in self.mailbox
-        if a.kind == "RECV_B":
-            return ("B", a.stage, a.mb) in self.mailbox
-        return True
+        return not a.kind.startswith("RECV") or self.transport.ready(a.kind[-1], a.stage, a.mb)
 
     def do(self, rank: int, a: Action) -> None:
         start = time.perf_counter()
@@ -198,41 +190,69 @@ class _Runner:
                 lambda x: (next(it) if x.requires_grad else torch.zeros_like(x)) if isinstance(x, torch.Tensor) else x,
                 carry)
 
-    def _send(self, kind: str, s: int, mb: int, payload: Any) -> None:
-        to = s + 1 if kind == "F" else s - 1
-        nbytes = _nbytes(payload)
-        self.p2p.append(Message(kind, s, mb, nbytes))
-        with recorded_as("send", "pp", nbytes):
-            self.mailbox[(kind, to, mb)] = pytree.tree_map(
-                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, payload)
-
     def _send_f(self, rank: int, s: int, mb: int) -> None:
-        self._send("F", s, mb, self.graphs[(s, mb)][1])
+        self.transport.send("F", s, mb, self.graphs[(s, mb)][1])
 
     def _send_b(self, rank: int, s: int, mb: int) -> None:
-        self._send("B", s, mb, self.in_grads.pop((s, mb)))
+        self.transport.send("B", s, mb, self.in_grads.pop((s, mb)))
 
     def _recv_f(self, rank: int, s: int, mb: int) -> None:
-        self.inputs[(s, mb)] = _receivable(self.mailbox.pop(("F", s, mb)))
+        self.inputs[(s, mb)] = _receivable(self.transport.recv("F", s, mb))
 
     def _recv_b(self, rank: int, s: int, mb: int) -> None:
-        self.out_grads[(s, mb)] = self.mailbox.pop(("B", s, mb))
+        self.out_grads[(s, mb)] = self.transport.recv("B", s, mb)
+
+    def result(self) -> Result:
+        grads = pytree.tree_map(lambda x: self.grads.get(id(x), torch.zeros_like(x))
+                                if isinstance(x, torch.Tensor) and x.requires_grad else None, self.params)
+        loss = torch.stack(self.losses).sum() if self.losses else torch.zeros(())
+        return Result(loss, grads, self.timeline, self.saved.peak, self.transport.p2p)
+
+
+class _Mailbox:
+    """Messages between simulated ranks: a dict; a send is counted as one ``send`` on ``pp``."""
+
+    def __init__(self) -> None:
+        self.box: dict[tuple[str, int, int], Any] = {}  # (kind, receiving stage, mb) -> payload
+        self.p2p: list[Message] = []
+
+    def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:
+        nbytes = _nbytes(payload)
+        self.p2p.append(Message(kind, stage, mb, nbytes))
+        with recorded_as("send", "pp", nbytes):
+            self.box[(kind, stage + 1 if kind == "F" else stage - 1, mb)] = pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, payload)
+
+    def ready(self, kind: str, stage: int, mb: int) -> bool:
+        return (kind, stage, mb) in self.box
+
+    def recv(self, kind: str, stage: int, mb: int) -> Any:
+        return self.box.pop((kind, stage, mb))
 
 
 def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
-        weights: Sequence[float]) -> Result:
-    """Run ``schedule`` on simulated ranks (module docstring); ``weights[i]``: microbatch ``i``'s token share.
+        weights: Sequence[float], *, mesh: Any = None) -> Result:
+    """Run ``schedule``; ``weights[i]``: microbatch ``i``'s token share (module docstring).
+
+    Without ``mesh``, every rank runs in this process (simulated). With a :class:`~shardings.Mesh` that has a
+    ``pp`` axis, on real processes: this process runs its own rank's actions (its ``pp`` coordinate) and
+    messages go over the ``pp`` process group (:mod:`shardings.pipeline.wire`). The loss is then summed over
+    the stages (every rank gets it), the timeline holds every rank's actions, and ``grads`` are this rank's:
+    its stages' parameters, zeros elsewhere.
 
     Raises:
         ScheduleError: the schedule does not check (before any work).
         ValueError: the schedule, the split and the microbatches disagree on their counts.
     """
     check(schedule)
-    if schedule.pp != split.stages or schedule.microbatches != len(microbatches) or len(weights) != len(microbatches):
-        raise ValueError(f"pipeline run: schedule for pp={schedule.pp}, m={schedule.microbatches}, but a split into "
-                         f"{split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. Fix: "
-                         "build the schedule and the split for the same pp and pass one weight per microbatch.")
-    runner = _Runner(schedule, stages, split, params, microbatches, weights)
+    if schedule.stages != split.stages or schedule.microbatches != len(microbatches) or len(weights) != len(
+            microbatches):
+        raise ValueError(f"pipeline run: schedule for {schedule.stages} stages, m={schedule.microbatches}, but a split "
+                         f"into {split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. "
+                         "Fix: build the schedule and the split for the same pp and pass one weight per microbatch.")
+    if mesh is not None:
+        return _run_rank(schedule, stages, split, params, microbatches, weights, mesh)
+    runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox())
     pending = [list(actions) for actions in schedule.ranks]
     while any(pending):
         progressed = False
@@ -242,6 +262,22 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
                 progressed = True
         if not progressed:  # check() rules this out; never spin
             raise RuntimeError(f"pipeline run: no rank can progress; next actions {[a[:1] for a in pending]}")
-    grads = pytree.tree_map(lambda x: runner.grads.get(id(x), torch.zeros_like(x))
-                            if isinstance(x, torch.Tensor) and x.requires_grad else None, runner.params)
-    return Result(torch.stack(runner.losses).sum(), grads, runner.timeline, runner.saved.peak, runner.p2p)
+    return runner.result()
+
+
+def _run_rank(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
+              weights: Sequence[float], mesh: Any) -> Result:
+    dm = mesh.device_mesh
+    rank, group = dm.get_local_rank("pp"), dm.get_group("pp")
+    wire = Wire(schedule, rank, group, templates(stages, split, params, microbatches[0]))
+    runner = _Runner(schedule, stages, split, params, microbatches, weights, wire)
+    for action in schedule.ranks[rank]:
+        runner.do(rank, action)
+    wire.finish()
+    result = runner.result()
+    dist.all_reduce(result.loss, group=group)  # only the last stage's is non-zero
+    timelines: list[Any] = [None] * schedule.pp
+    dist.all_gather_object(timelines, result.timeline, group=group)
+    peaks: list[Any] = [None] * schedule.pp
+    dist.all_gather_object(peaks, result.saved_peak[rank], group=group)
+    return dataclasses.replace(result, timeline=[t for tl in timelines for t in tl], saved_peak=peaks)

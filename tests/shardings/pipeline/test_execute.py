@@ -124,7 +124,7 @@ def test_bad_input_is_refused_before_any_work():
     with pytest.raises(ValueError, match="sizes"):
         pipeline.split(params, 2, sizes=[2, 0])
     mbs, weights = _microbatches(batch, 2)
-    with pytest.raises(ValueError, match="schedule for pp=2, m=4"):
+    with pytest.raises(ValueError, match="schedule for 2 stages, m=4"):
         pipeline.run(pipeline.build("gpipe", 2, 4), module.stages(cfg), pipeline.split(params, 2), params, mbs, weights)
     broken = pipeline.build("gpipe", 2, 2)
     broken = pipeline.Schedule(broken.name, broken.pp, broken.microbatches, (broken.ranks[0][1:], broken.ranks[1]))

@@ -1,0 +1,122 @@
+"""Pipeline messages between real processes: point-to-point sends on the mesh's ``pp`` process group.
+
+A message (a carry, or its gradient) travels as one byte buffer: its tensors' bytes concatenated, so a
+pytree carry of mixed dtypes (``(x, aux_losses)``) is still one ``isend``. The receiver knows the layout
+beforehand from a shape-only (meta device) run of the stages on the first microbatch, so nothing but
+the payload crosses the wire. Sends are non-blocking (``isend``, awaited at the end of the step); each
+rank posts its next receive as soon as the previous one completed, so a message can land while the rank
+computes. Messages between two stages keep their order (one tag per direction and boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from shardings.pipeline.schedule import Schedule
+from shardings.pipeline.stages import Split, Stages
+
+__all__ = ["Message", "Template", "Wire", "templates"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    kind: str  # "F": an activation to stage + 1; "B": a gradient to stage - 1
+    stage: int  # the sending stage
+    mb: int
+    nbytes: int
+
+
+class Template:
+    """The layout of one boundary's message: the carry's tree structure, and each tensor's shape and dtype."""
+
+    def __init__(self, carry: Any):
+        leaves, self.spec = pytree.tree_flatten(carry)
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            raise TypeError(f"pipeline: the carry between stages must be a pytree of tensors, got {carry!r}. Fix: "
+                            "pass plain values through the model's config, not the carry.")
+        self.shapes = [(x.shape, x.dtype) for x in leaves]
+        self.nbytes = sum(s.numel() * d.itemsize for s, d in self.shapes)
+
+    def pack(self, payload: Any) -> torch.Tensor:
+        leaves = pytree.tree_leaves(payload)
+        return torch.cat([x.detach().contiguous().reshape(-1).view(torch.uint8) for x in leaves])
+
+    def unpack(self, buf: torch.Tensor) -> Any:
+        out, at = [], 0
+        for shape, dtype in self.shapes:
+            n = shape.numel() * dtype.itemsize
+            out.append(buf[at:at + n].view(dtype).reshape(shape))
+            at += n
+        return pytree.tree_unflatten(out, self.spec)
+
+
+def _meta(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+def templates(stages: Stages, split: Split, params: Any, microbatch: Any) -> list[Template]:
+    """``out[s]``: the message between stage ``s`` and ``s + 1`` (a forward carry; its gradient has its layout)."""
+    params, out = _meta(params), []
+    with torch.no_grad():
+        carry = stages.first(params, _meta(microbatch))
+        for blocks in split.ranges[:-1]:
+            for i in blocks:
+                carry = stages.block(params[stages.blocks][i], carry, i)
+            out.append(Template(carry))
+    return out
+
+
+class Wire:
+    """One rank's sends and receives (the runner's transport on real processes)."""
+
+    def __init__(self, schedule: Schedule, rank: int, group: Any, layouts: list[Template]):
+        self.schedule, self.group, self.layouts = schedule, group, layouts
+        self.receives = [a for a in schedule.ranks[rank] if a.kind.startswith("RECV")]
+        self.posted: tuple[tuple[str, int, int], torch.Tensor, Any] | None = None
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.p2p: list[Any] = []
+        self._post_next()
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, self.schedule.rank_of(stage))
+
+    @staticmethod
+    def _tag(kind: str, boundary: int) -> int:
+        return 2 * boundary + (kind == "B")
+
+    def _post_next(self) -> None:
+        self.posted = None
+        if self.receives:
+            a = self.receives.pop(0)
+            kind, boundary = a.kind[-1], a.stage - 1 if a.kind == "RECV_F" else a.stage
+            buf = torch.empty(self.layouts[boundary].nbytes, dtype=torch.uint8)
+            sender = a.stage - 1 if kind == "F" else a.stage + 1
+            work = dist.irecv(buf, src=self._peer(sender), group=self.group, tag=self._tag(kind, boundary))
+            self.posted = ((kind, a.stage, a.mb), buf, work)
+
+    def ready(self, kind: str, stage: int, mb: int) -> bool:
+        return True  # a receive blocks until its message arrives
+
+    def recv(self, kind: str, stage: int, mb: int) -> Any:
+        key, buf, work = self.posted
+        assert key == (kind, stage, mb), f"pipeline: expected to receive {key}, the program asks for {kind, stage, mb}"
+        work.wait()
+        self._post_next()
+        return self.layouts[stage - 1 if kind == "F" else stage].unpack(buf)
+
+    def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:
+        boundary = stage if kind == "F" else stage - 1
+        flat = self.layouts[boundary].pack(payload)
+        self.p2p.append(Message(kind, stage, mb, flat.numel()))
+        to = stage + 1 if kind == "F" else stage - 1
+        self.sends.append((dist.isend(flat, dst=self._peer(to), group=self.group, tag=self._tag(kind, boundary)), flat))
+
+    def finish(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
