@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -71,6 +70,7 @@ from shardings.checkpoint.files import (
     _write_manifest,
 )
 from shardings.checkpoint.files import _MetadataUnpickler as _MetadataUnpickler  # re-exported: tests use it here
+from shardings.runtime.compat import LocalTensor, maybe_disable_local_tensor_mode
 from shardings.runtime.simulate import simulated_world_size, unwrap
 
 __all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "latest", "load", "resume", "save"]
@@ -380,6 +380,7 @@ def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, 
     with maybe_disable_local_tensor_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
+            _SafeReader(folder).read_metadata()  # first on its own: torch 2.11's dcp.load hides why it failed
             dcp.load(targets, storage_reader=_SafeReader(folder), no_dist=not _distributed())
         except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
             raise _error(f"reading {folder} failed: {type(e).__name__}: {e}",

@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalIntNode, LocalTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from core import tree
+from shardings.runtime.compat import LocalIntNode, LocalTensor, c10d_functional_op
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import axis_of_group
 
@@ -145,8 +145,6 @@ _HANDLERS: dict[Any, Handler] = {
     **dict.fromkeys([_F.all_to_all_single, _FA.all_to_all_single], _all_to_all(3, 0, 2)),
     torch.ops._dtensor.shard_dim_alltoall: _all_to_all(3, 0, None),
     **dict.fromkeys([_F.broadcast, _F.broadcast_], _op("broadcast", 2)),
-    _F.isend: _op("send", 3),
-    _F.batch_p2p_ops: _p2p_sends,
     # in-place c10d ops (torch.distributed.*, distribute_tensor); the group is a ProcessGroup script object
     **dict.fromkeys([_C.allreduce_, _C.allreduce_coalesced_], _op("all_reduce", 1)),
     **dict.fromkeys([_C._allgather_base_, _C.allgather_, _C.allgather_into_tensor_coalesced_], _op("all_gather", 2)),
@@ -160,6 +158,9 @@ _HANDLERS: dict[Any, Handler] = {
     _C.scatter_: _op("scatter", 2, piece=True),
     _C.send: _op("send", 1),
 }
+for _name, _handler in [("isend", _op("send", 3)), ("batch_p2p_ops", _p2p_sends)]:  # functional p2p: torch >= 2.13
+    if (_p2p := c10d_functional_op(_name)) is not None:
+        _HANDLERS[_p2p] = _handler
 
 _ACTIVE: list[Comms] = []  # every comms() being recorded into, outermost first
 _HIDDEN = [0]  # depth of recorded_as blocks: collectives inside them are already accounted for

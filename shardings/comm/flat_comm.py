@@ -16,10 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import SequenceKey
+
+from shardings.runtime.compat import all_gather_single, enabled_local_tensor_mode, reduce_scatter_single
 
 __all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "from_block", "launch_gather", "launch_reduce",
            "split_reduced", "unit_buckets", "unit_of", "wait"]
@@ -112,7 +113,7 @@ def launch_gather(comm: Comm, shards: list[torch.Tensor], at: tuple[int, int]) -
     """All-gather the ``shards``, flattened: ``(n·L,)``, awaited on first use (or by :func:`wait`)."""
     group, flat = comm.group(at[0]), [s.reshape(-1) for s in shards]
     if enabled_local_tensor_mode() is not None:  # simulated ranks gather at once: no input outlives the call
-        return funcol.all_gather_single(torch.cat(flat), 0, group)
+        return all_gather_single(torch.cat(flat), 0, group)
     # In place, as FSDP2: this rank's shards are copied into its slice of the output, which is the input.
     # A separate input would stay alive while the gather is in flight (a prefetch: until the next block).
     n, size = group.size(), sum(f.numel() for f in flat)
@@ -140,7 +141,7 @@ def launch_reduce(comm: Comm, grads: list[torch.Tensor], target: list[ShardAt]) 
         n = comm.size(rs)
         chunks = [g.chunk(n, dim=t[1]) for g, t in zip(grads, target)]
         flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
-        flat = funcol.reduce_scatter_single(flat, "sum", 0, comm.group(rs))
+        flat = reduce_scatter_single(flat, "sum", 0, comm.group(rs))
     for m in comm.data_dims:
         if m != rs and comm.size(m) > 1:  # in place: ``flat`` is this function's own buffer (funcol's copies)
             flat = funcol._maybe_wrap_tensor(

@@ -30,12 +30,12 @@ from typing import Any, NamedTuple
 
 import einops
 import torch
-from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from shardings.comm.flat_comm import from_block
 from shardings.residency.lazy_params import resolve
+from shardings.runtime.compat import LocalTensor, enabled_local_tensor_mode
 from shardings.spec.lower import from_placements, mesh_of, to_placements
 from shardings.spec.mesh import Mesh, P
 

@@ -1,7 +1,8 @@
 """Simulated ranks: N ranks in one process (``LocalTensorMode`` over the ``"fake"`` process group).
 
 Every tensor created inside holds one value per rank; collectives run for real across those
-values. Fast and deterministic: the runtime for property tests and laptops.
+values. Fast and deterministic: the runtime for property tests and laptops. Needs torch >= 2.13
+(:mod:`shardings.runtime.compat`); on an older torch ``simulate`` raises ``SimulationUnavailable``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from shardings.runtime.compat import FakeStore, LocalTensor, LocalTensorMode, require_simulation
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
 
@@ -35,9 +35,13 @@ def simulate(world_size: int) -> Iterator[None]:
     Re-entrant: a nested ``simulate`` with the same size reuses the outer one. On exit the
     process group and every cached device mesh are torn down, leaving no global state.
 
+    Raises:
+        SimulationUnavailable: the installed torch is older than 2.13 (a ``RuntimeError``).
+
     >>> with simulate(4):
     ...     x = shard(torch.arange(8.0), P("dp"), Mesh(dp=4))
     """
+    require_simulation("shardings.simulate")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise sharding_error(f"world_size must be a positive int, got {world_size!r}", fix="pass e.g. simulate(4)")
     if _ACTIVE:

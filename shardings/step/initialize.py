@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode, rank_map
 from torch.distributed.tensor import DTensor
 
 from core import deferred, tree
+from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.simulate import unwrap
 from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
@@ -122,6 +122,8 @@ def init(
     """
     layout = layouts.get(layout)
     layouts.validate(layout, mesh)
+    if "pp" in (layout.name or "").split("+"):  # pipeline stages: params live on the stage mesh
+        mesh = mesh.without("pp")
     mesh.device_mesh  # noqa: B018  (no process group: shardlab's error saying what to do, before torch's)
     # Recipes are built from a plain key: under simulate a key made there is a LocalTensor, and every
     # block drawn from it would then be computed once per simulated rank (each rank doing all ranks' work).

@@ -1,0 +1,164 @@
+"""The private torch names shardlab uses, found in one place, with stand-ins where the installed torch lacks them.
+
+torch >= 2.11 is enough for one device and for real processes (:func:`shardings.launch`): those paths need
+only what every such torch has, under the names below (functional collectives renamed in 2.13 included).
+Simulated ranks (:func:`shardings.simulate`: ``LocalTensorMode`` over the ``"fake"`` process group) need
+private names that torch 2.13 has (2.11 lacks ``rank_map``). Where any is missing, ``HAS_SIMULATION`` is
+false, ``simulate`` raises :class:`SimulationUnavailable` naming both versions, and the stand-ins below keep
+every other path as it was: with no simulated ranks there is no ``LocalTensor`` and no ``LocalTensorMode``.
+
+Other modules import these names from here, never from ``torch.distributed._local_tensor`` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from shardings.spec.errors import sharding_error
+
+__all__ = [
+    "HAS_SIMULATION",
+    "MISSING",
+    "SIMULATION_MODULES",
+    "SIMULATION_TORCH",
+    "FakeStore",
+    "LocalIntNode",
+    "LocalTensor",
+    "LocalTensorMode",
+    "SimulationUnavailable",
+    "all_gather_single",
+    "c10d_functional_op",
+    "enabled_local_tensor_mode",
+    "maybe_disable_local_tensor_mode",
+    "maybe_run_for_local_tensor",
+    "rank_map",
+    "reduce_scatter_single",
+    "require_simulation",
+    "unavailable",
+]
+
+SIMULATION_TORCH = "2.13"  # the oldest torch with every name below (the one the suite runs on)
+_WANTED = {  # module -> the names simulated ranks take from it
+    "torch.distributed._local_tensor": (
+        "LocalIntNode",
+        "LocalTensor",
+        "LocalTensorMode",
+        "enabled_local_tensor_mode",
+        "maybe_disable_local_tensor_mode",
+        "maybe_run_for_local_tensor",
+        "rank_map",
+    ),
+    "torch.testing._internal.distributed.fake_pg": ("FakeStore",),  # importing it registers the "fake" backend
+}
+SIMULATION_MODULES = frozenset(_WANTED)
+
+
+class SimulationUnavailable(RuntimeError):
+    """Simulated ranks were asked for, and the installed torch lacks what they need."""
+
+
+def _lookup(wanted: dict[str, tuple[str, ...]]) -> tuple[dict[str, Any], list[str]]:
+    """The names of ``wanted`` that exist (name -> object) and the dotted paths of those that do not."""
+    found, missing = {}, []
+    for module_name, names in wanted.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            module = None
+        for name in names:
+            if hasattr(module, name):
+                found[name] = getattr(module, name)
+            else:
+                missing.append(f"{module_name}.{name}")
+    return found, missing
+
+
+_FOUND, MISSING = _lookup(_WANTED)
+HAS_SIMULATION = not MISSING
+
+
+def unavailable(what: str, missing: list[str] | None = None, installed: str | None = None) -> SimulationUnavailable:
+    """The error for ``what`` needing simulated ranks on a torch that lacks the ``missing`` names (built, not raised):
+    by default this torch's version and the names it lacks.
+
+    >>> str(unavailable("shardings.simulate", ["torch.distributed._local_tensor.rank_map"], "2.11.0")).split(". Fix")[0]
+    'shardings.simulate needs torch >= 2.13 (torch.distributed._local_tensor.rank_map); installed: 2.11.0'
+    """
+    return sharding_error(
+        f"{what} needs torch >= {SIMULATION_TORCH} ({', '.join(MISSING if missing is None else missing)}); "
+        f"installed: {installed or torch.__version__}",
+        fix=f"install torch>={SIMULATION_TORCH} (`make install` brings the CPU wheel), or run real ranks with "
+        "shardings.launch (gloo) or torchrun",
+        cls=SimulationUnavailable,
+    )
+
+
+def require_simulation(what: str) -> None:
+    """Raise :class:`SimulationUnavailable` for ``what`` unless the installed torch can simulate ranks."""
+    if not HAS_SIMULATION:
+        raise unavailable(what)
+
+
+class _Unavailable:
+    """Stands in for a class this torch lacks: nothing is an instance of it, and making one raises."""
+
+    _name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise unavailable(self._name)
+
+
+def _stand_in(name: str) -> type:
+    return type(name, (_Unavailable,), {"_name": f"torch.distributed._local_tensor.{name}", "__module__": __name__})
+
+
+def _no_local_tensor_mode() -> None:
+    return None
+
+
+def _run_as_is(func: Callable) -> Callable:
+    return func
+
+
+def _rank_map(cb: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """torch 2.13's ``rank_map`` outside simulated ranks: ``cb`` of this process's rank."""
+    if enabled_local_tensor_mode() is not None:  # a LocalTensorMode entered by hand, on a torch that can't simulate
+        raise unavailable("rank_map under LocalTensorMode")
+    return cb(dist.get_rank())
+
+
+def _fake_store(*args: Any, **kwargs: Any) -> Any:
+    raise unavailable("the fake process group (torch.testing._internal.distributed.fake_pg.FakeStore)")
+
+
+LocalIntNode: type = _FOUND.get("LocalIntNode") or _stand_in("LocalIntNode")
+LocalTensor: type = _FOUND.get("LocalTensor") or _stand_in("LocalTensor")
+LocalTensorMode: type = _FOUND.get("LocalTensorMode") or _stand_in("LocalTensorMode")
+enabled_local_tensor_mode: Callable[[], Any] = _FOUND.get("enabled_local_tensor_mode", _no_local_tensor_mode)
+maybe_disable_local_tensor_mode: Callable[[], contextlib.AbstractContextManager] = _FOUND.get(
+    "maybe_disable_local_tensor_mode", contextlib.nullcontext
+)
+maybe_run_for_local_tensor: Callable[[Callable], Callable] = _FOUND.get("maybe_run_for_local_tensor", _run_as_is)
+rank_map: Callable[[Callable[[int], torch.Tensor]], torch.Tensor] = _FOUND.get("rank_map", _rank_map)
+FakeStore: Callable[..., Any] = _FOUND.get("FakeStore", _fake_store)
+
+
+def c10d_functional_op(name: str) -> Any:
+    """``torch.ops._c10d_functional.<name>``, or ``None`` where this torch has no such op (``isend`` and
+    ``batch_p2p_ops`` are new in 2.13): an op torch lacks is never dispatched, so there is nothing to count."""
+    return getattr(torch.ops._c10d_functional, name, None)
+
+
+# Renamed in 2.13 (the 2.11 names still work there, with a FutureWarning). Same ops on dim 0; 2.11's gather
+# wants a contiguous input, which every caller passes.
+all_gather_single: Callable[..., torch.Tensor] = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single: Callable[..., torch.Tensor] = (
+    getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+)
