@@ -5,8 +5,9 @@
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
 same ``models.gpt`` weights, global batch, fp32 and AdamW(1e-3). The torch side is
-:class:`experiments.native_gpt.NativeGpt` — ``nn.Embedding``/``nn.Linear``/RMSNorm modules holding
-the same weights, whose ``forward`` is ``gpt.loss`` — wrapped the way a PyTorch user would:
+:class:`experiments.native_gpt.NativeGpt` — the model a PyTorch user writes (``nn.Embedding``,
+``nn.Linear``, ``nn.RMSNorm``, ``F.scaled_dot_product_attention``, ``F.cross_entropy``; no shardlab
+code) holding the same weights — wrapped the way a PyTorch user would:
 
 =================  ============================  ====================================================
 pair (ours)        our mesh                      torch side

@@ -1,15 +1,26 @@
-"""``models.gpt`` as a torch-native ``nn.Module``, and its torchtitan-style tensor-parallel plan.
+"""``models.gpt`` written as a PyTorch user would write it, and its torchtitan-style tensor-parallel plan.
 
-The bench's reference side: what a PyTorch user would write for the same decoder — ``nn.Embedding``,
-``nn.Linear`` q/k/v/o and gate/up/down (no bias), RMSNorm modules, an ``nn.Linear`` unembedding —
-built from a gpt parameter tree (:func:`from_params`) and mapped back to one (:func:`to_params`).
-Its ``forward(batch)`` is ``gpt.loss``: the same ``models.layers`` RMSNorm, RoPE, attention and
-cross-entropy on plain tensors, so single-device losses and gradients agree to float rounding.
+The benchmarks' reference side (``experiments/bench.py``, ``experiments/bench_jit.py``): ``nn.Embedding``,
+``nn.Linear`` q/k/v/o and gate/up/down (no bias), ``nn.RMSNorm``, RoPE in the module (HF Llama's
+``rotate_half``, ``cfg.rope_theta``), ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``
+and ``F.cross_entropy`` — none of shardlab's compute (``models.layers``) — built from a gpt parameter
+tree (:func:`from_params`) and mapped back to one (:func:`to_params`). Its ``forward(batch)``
+computes ``gpt.loss``'s value; tests/experiments/test_native_gpt.py checks loss and gradients by
+``shardings.testing``'s tolerance rule.
+
+Numerics against ``models.layers``: ``nn.RMSNorm`` (torch's ``rms_norm``) normalizes in float32 like
+HF's ``LlamaRMSNorm`` but multiplies by the weight *before* casting back to the input dtype, where HF
+(and ``models.layers.rms_norm``) cast first and multiply after (so a bfloat16 input with a float32
+weight gives a bfloat16 output here, a float32 one there). The norms here only see the float32
+residual stream (bf16 autocast leaves it float32), where the two are the same ops on CPU (bitwise
+equal); CUDA may pick torch's fused kernel, another summation order. SDPA's kernels and the
+einsum-softmax reference differ by rounding; the RoPE tables are computed by the same float32 formula.
 
 Under :func:`parallelize` (``parallelize_module`` with :func:`tp_plan`) the residual stream is
 sequence-parallel, q/k/v/gate/up are column-parallel, o/down row-parallel, and the logits stay
-vocab-sharded for ``loss_parallel`` — torchtitan's Llama plan. Attention reads its head count from
-the local width of q/k/v, so each rank runs ``heads / tp`` query heads, as torchtitan does.
+vocab-sharded for ``loss_parallel`` — torchtitan's Llama plan. The projections return local tensors
+(``use_local_output=True``), so SDPA runs on plain tensors and attention reads its head count from
+their local width: each rank runs ``heads / tp`` query heads, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -31,8 +42,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 import models.gpt as gpt
-from models import layers
-from models.layers import attention, cross_entropy
 from shardings.spec.errors import sharding_error
 
 __all__ = ["NativeGpt", "from_params", "parallelize", "to_params", "tp_plan"]
@@ -56,23 +65,41 @@ _TOP = {
 }
 
 
-class RMSNorm(nn.Module):
-    """``models.layers.rms_norm``'s math with its weight as a parameter.
+def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Llama's rotary ``cos, sin``, each ``(seq, head_dim)`` in float32, for positions ``0..seq-1``.
 
-    The plain math, as torch's own modules run it (DTensor ops under SequenceParallel): shardlab's
-    ``rms_norm`` would run on local blocks (``shardings.blockwise``), which this side must not get for free.
+    ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)``, the angles repeated over both halves (``rotate_half``).
+
+    >>> cos, sin = rope_tables(3, 4, 10000.0, torch.device("cpu"))
+    >>> cos[0].tolist(), sin[0].tolist()  # position 0 is not rotated
+    ([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])
     """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)  # (head_dim/2,)
+    freqs = torch.arange(seq, device=device).float()[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (seq, head_dim)
+    return angles.cos(), angles.sin()
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layers._rms_norm(x, self.weight, self.eps)
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` over the two halves of the last dim (HF Llama's convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: (batch, heads, seq, head_dim)`` by the tables, cast to ``x``'s dtype first as HF does."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (seq, head_dim): broadcast over batch and heads
+    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
-    """Causal GQA attention with RoPE; the head counts come from the (possibly local) q/k/v widths."""
+    """Causal GQA attention with RoPE and ``F.scaled_dot_product_attention``.
+
+    The head counts come from the q/k/v widths, so under tensor parallelism (``ColwiseParallel``
+    projections returning local tensors) each rank runs its own ``heads / tp`` query heads on plain
+    tensors. ``enable_gqa`` has SDPA read kv head ``h // (heads // kv_heads)`` for query head ``h``,
+    Hugging Face's ``repeat_kv`` order (and ``models.layers.attention``'s).
+    """
 
     def __init__(self, cfg: gpt.Config):
         super().__init__()
@@ -81,13 +108,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wv = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wo = nn.Linear(q_width, cfg.dim, bias=False)
-        self.d_head, self.theta = cfg.d_head, cfg.rope_theta
+        self.d_head = cfg.d_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Under TP the projections return this rank's heads only: (batch, seq, heads/tp · head_dim).
-        q, k, v = (einops.rearrange(w(x), "b s (h d) -> b s h d", d=self.d_head) for w in (self.wq, self.wk, self.wv))
-        out = attention(layers._rope(q, self.theta), layers._rope(k, self.theta), v)  # (batch, seq, heads, head_dim)
-        return self.wo(einops.rearrange(out, "b s h d -> b s (h d)"))
+        q, k, v = (einops.rearrange(w(x), "b s (h d) -> b h s d", d=self.d_head) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (batch, heads, seq, head_dim)
+        return self.wo(einops.rearrange(out, "b h s d -> b s (h d)"))
 
 
 class MLP(nn.Module):
@@ -108,16 +136,16 @@ class Block(nn.Module):
 
     def __init__(self, cfg: gpt.Config):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
-        self.mlp_norm, self.mlp = RMSNorm(cfg.dim, cfg.norm_eps), MLP(cfg)
+        self.attn_norm, self.attn = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps), Attention(cfg)
+        self.mlp_norm, self.mlp = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps), MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class NativeGpt(nn.Module):
-    """The gpt decoder as modules; ``forward(batch)`` returns ``gpt.loss`` (a scalar)."""
+    """The gpt decoder as modules; ``forward(batch)`` returns the mean cross-entropy, ``gpt.loss``'s value."""
 
     def __init__(self, cfg: gpt.Config):
         super().__init__()
@@ -129,22 +157,20 @@ class NativeGpt(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.final_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.unembed = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = self.embed(batch["tokens"])  # (batch, seq, dim); (batch, seq/tp, dim) under SP
+        tokens, labels = batch["tokens"], batch["labels"]  # (batch, seq) each
+        # Computed per call, not a buffer: DDP would broadcast a buffer every step.
+        cos, sin = rope_tables(tokens.shape[1], self.cfg.d_head, self.cfg.rope_theta, tokens.device)
+        x = self.embed(tokens)  # (batch, seq, dim); (batch, seq/tp, dim) under SP
         for block in self.blocks:
-            x = block(x)
-        logits = self.unembed(self.final_norm(x))  # (batch, seq, vocab)
-        labels = batch["labels"]
-        if isinstance(logits, DTensor):
-            # Vocab-sharded logits under tp_plan: loss_parallel's cross-entropy (the caller enters
-            # torch.distributed.tensor.parallel.loss_parallel() around forward and backward).
-            return F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=self.cfg.ignore_index
-            )
-        return cross_entropy(logits, labels, self.cfg.ignore_index)
+            x = block(x, cos, sin)
+        logits = self.unembed(self.final_norm(x))  # (batch, seq, vocab); vocab-sharded under tp_plan
+        # Under tp_plan the DTensor logits take loss_parallel's cross-entropy (the caller enters
+        # torch.distributed.tensor.parallel.loss_parallel() around forward and backward).
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=self.cfg.ignore_index)
 
 
 def _to_module(x: torch.Tensor, pattern: str, cfg: gpt.Config) -> torch.Tensor:
@@ -164,7 +190,7 @@ def from_params(params: gpt.Params, cfg: gpt.Config) -> NativeGpt:
         cfg: its config (``tie_embeddings=False``).
 
     Returns:
-        The module; ``model(batch)`` equals ``gpt.loss(params, batch, cfg)``.
+        The module; ``model(batch)`` equals ``gpt.loss(params, batch, cfg)`` up to rounding.
 
     >>> cfg = gpt.Config(layers=1)
     >>> tuple(from_params(gpt.init(core.random.key(0), cfg), cfg).blocks[0].attn.wq.weight.shape)
@@ -209,6 +235,10 @@ def tp_plan(model: NativeGpt) -> dict[str, Any]:
     RowwiseParallel(input_layouts=(Shard(dim=-1),), output_layouts=(Shard(dim=1),), use_local_output=True)
     """
     gather_seq = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    # attention's cos/sin tables are plain (seq, head_dim) tensors, as torchtitan's freqs_cis: passed as they are
+    gather_attn = PrepareModuleInput(
+        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+    )
     plan: dict[str, Any] = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "final_norm": SequenceParallel(),
@@ -217,7 +247,7 @@ def tp_plan(model: NativeGpt) -> dict[str, Any]:
     for i in range(len(model.blocks)):
         b = f"blocks.{i}"
         plan |= {f"{b}.attn_norm": SequenceParallel(), f"{b}.mlp_norm": SequenceParallel()}
-        plan |= {f"{b}.attn": gather_seq, f"{b}.mlp": gather_seq}
+        plan |= {f"{b}.attn": gather_attn, f"{b}.mlp": gather_seq}
         plan |= {f"{b}.{m}": ColwiseParallel() for m in ("attn.wq", "attn.wk", "attn.wv", "mlp.gate", "mlp.up")}
         plan |= {f"{b}.{m}": RowwiseParallel(output_layouts=Shard(1)) for m in ("attn.wo", "mlp.down")}
     return plan

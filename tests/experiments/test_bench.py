@@ -3,19 +3,28 @@
 import csv
 
 import pytest
+import torch
 
 import models.gpt as gpt
 from experiments import bench
+from shardings.testing import assert_close
 
 CFG = gpt.Config(**bench._CONFIGS["quick"].model)
+TOKENS = bench._CONFIGS["quick"].batch * CFG.seq_len
 FOUR_P = 4 * (2 * CFG.vocab * CFG.dim + CFG.dim + CFG.layers * (2 * CFG.dim + 4 * CFG.dim**2 + 3 * CFG.dim * CFG.mlp))
+
+
+def _assert_same_loss(row):
+    """By the tolerance rule, not to the printed digit: the native side runs SDPA and nn.RMSNorm, not our kernels."""
+    assert_close(torch.tensor(row["loss_ours"]), torch.tensor(row["loss_native"]), terms=TOKENS)
 
 
 @pytest.mark.multiprocess
 def test_quick_dp_vs_ddp_same_loss_and_a_csv_row(tmp_path):
     out = tmp_path / "bench.csv"
     (row,) = bench.main(["--quick", "--pairs", "dp", "--csv", str(out)])
-    assert row["pair"] == "dp vs DDP" and row["loss_ours"] == row["loss_native"]
+    assert row["pair"] == "dp vs DDP"
+    _assert_same_loss(row)
     assert row["ours_ms"] > 0 and row["native_ms"] > 0
     # Measured, not a formula: DDP's bucket all-reduce moves exactly the ring volume 2(n-1)/n · 4P;
     # ours adds only the step's metric all-reduces (loss, token count: a few bytes).
@@ -30,7 +39,8 @@ def test_quick_dp_vs_ddp_same_loss_and_a_csv_row(tmp_path):
 @pytest.mark.multiprocess
 def test_quick_tp_sp_vs_parallelize_module_same_loss_and_measured_comms(tmp_path):
     (row,) = bench.main(["--quick", "--pairs", "tp+sp", "--csv", str(tmp_path / "bench.csv")])
-    assert row["pair"] == "tp+sp vs parallelize_module" and row["loss_ours"] == row["loss_native"]
+    assert row["pair"] == "tp+sp vs parallelize_module"
+    _assert_same_loss(row)
     # The TP plan's collectives are seen: per block 2 all-gathers + 2 reduce-scatters of the
     # (batch, seq, dim) activations, plus the embedding's reduce-scatter and the unembedding's
     # all-gather; as many again in backward; each moves (n-1)/n of the buffer.

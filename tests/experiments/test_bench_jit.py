@@ -1,4 +1,4 @@
-"""experiments.bench_jit: the whole train step under ``core.jit`` is one graph and follows eager for 2 steps."""
+"""experiments.bench_jit: the jitted step is one graph and follows eager; the native rows run on the same loss."""
 
 import shutil
 
@@ -50,3 +50,51 @@ def test_whole_step_tracing_refuses_an_active_mesh():
     with shardings.simulate(2), shardings.use(shardings.Mesh(dp=2)), refused, bench_jit.whole_step_tracing():
         pass
     assert not hasattr(shardings.current, "_dynamo_marked_constant")
+
+
+MICRO = bench_jit._Config(dict(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=16), 4)
+
+
+def _check_rows(rows, names):
+    """The rows of one run: the named variants, one loss by the tolerance rule, ratios of this run's step times."""
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == names
+    tokens = MICRO.batch * MICRO.model["seq_len"]
+    for r in rows:  # the bench raises past the rule; the rounded values still agree by it
+        assert_close(torch.tensor(r["loss"]), torch.tensor(by["eager"]["loss"]), terms=tokens)
+        assert r["step_ms"] > 0
+        for col, ref in (("vs_native", "native"), ("vs_compiled", "native_compile")):
+            if ref in by:  # step_ms and the ratio are rounded separately
+                assert r[col] == pytest.approx(r["step_ms"] / by[ref]["step_ms"], rel=0.05, abs=2e-3)
+            else:
+                assert r[col] == ""
+    assert by["native"]["vs_native"] == 1.0
+    return by
+
+
+def test_native_rows_run_beside_shardlabs_with_the_same_loss(monkeypatch, tmp_path):
+    monkeypatch.setitem(bench_jit.CONFIGS, "micro", MICRO)
+    out = tmp_path / "bench_jit.csv"
+    argv = ["--configs", "micro", "--steps", "2", "--warmup", "1", "--rounds", "2", "--no-compile", "--csv", str(out)]
+    rows = bench_jit.main(argv)
+    _check_rows(rows, ["eager", "native"])
+    assert all(r["rounds"] == 2 for r in rows)
+    assert out.read_text().splitlines()[0].startswith("config,device,variant")
+
+
+def test_a_native_row_computing_another_loss_is_refused(monkeypatch):
+    forward = bench_jit.native_gpt.NativeGpt.forward
+    monkeypatch.setitem(bench_jit.CONFIGS, "micro", MICRO)
+    monkeypatch.setattr(bench_jit.native_gpt.NativeGpt, "forward", lambda self, batch: forward(self, batch) * 1.001)
+    with pytest.raises(RuntimeError, match="step-1 loss of native"):
+        bench_jit.run("micro", "cpu", steps=1, warmup=1, peak_tflops=1.0, compile=False)
+
+
+@needs_cxx
+def test_compiled_rows_native_and_shardlab_share_the_loss_and_ratios(monkeypatch):
+    """torch.compile of the native model and core.jit of shardlab's step, in the same run as the eager rows."""
+    monkeypatch.setitem(bench_jit.CONFIGS, "micro", MICRO)
+    rows = bench_jit.run("micro", "cpu", steps=2, warmup=1, peak_tflops=1.0)
+    by = _check_rows(rows, ["eager", "native", "jit", "native_compile"])
+    assert by["jit"]["graphs"] == 1 and by["native_compile"]["graphs"] >= 1
+    assert by["native_compile"]["vs_compiled"] == 1.0
