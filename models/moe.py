@@ -345,13 +345,14 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
     >>> loss(init(core.random.key(0), cfg), example_batch(cfg, 2), cfg).shape
     torch.Size([])
     """
-    return stages(cfg).loss(params, batch)
+    logits, aux = apply_with_aux(params, batch["tokens"], cfg)
+    return _logits_loss(logits, aux, batch, cfg)
 
 
 def stages(cfg: Config) -> Stages:
     """The pipeline declaration (``shardings.pipeline``): the carry between blocks is ``(x, aux so far)``.
 
-    :func:`loss` is these composed.
+    :func:`loss` is these composed (through :func:`apply_with_aux`: the same block and head functions).
     """
     return Stages(first=lambda params, batch: (gpt.embed(params, batch["tokens"]), {}), block=_carry_block(cfg),
                   last=functools.partial(_head_loss, cfg=cfg))
@@ -360,8 +361,12 @@ def stages(cfg: Config) -> Stages:
 def _head_loss(params: Params, carry: tuple[torch.Tensor, Aux], batch: dict[str, torch.Tensor],
                cfg: Config) -> torch.Tensor:
     x, aux = carry
+    return _logits_loss(gpt.logits(params, x, cfg), aux, batch, cfg)
+
+
+def _logits_loss(logits: torch.Tensor, aux: Aux, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:
     labels = constrain(batch["labels"], gpt.BATCH_INPUT)
-    ce = cross_entropy(gpt.logits(params, x, cfg), labels, cfg.ignore_index)
+    ce = cross_entropy(logits, labels, cfg.ignore_index)
     if not aux:
         return ce
     per_row = cfg.aux_loss_coef * aux["load_balance"] + cfg.z_loss_coef * aux["z_loss"]  # (batch,)

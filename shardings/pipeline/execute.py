@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from shardings.comm.accounting import recorded_as
@@ -114,7 +115,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _nbytes(tree: Any) -> int:
-    return sum(x.numel() * x.element_size() for x in _tensors(tree))
+    """Bytes one rank holds: a DTensor's local block, one simulated rank's piece."""
+    local = [x.to_local() if isinstance(x, DTensor) else x for x in _tensors(tree)]
+    return sum(x.numel() * x.element_size() for x in local)
 
 
 def _receivable(tree: Any) -> Any:

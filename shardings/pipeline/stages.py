@@ -33,6 +33,10 @@ class Stages:
     last: Callable[[Any, Any, Any], torch.Tensor]
     blocks: str = "blocks"
 
+    def __call__(self, params: Any, batch: Any) -> torch.Tensor:
+        """The stages are a loss function: ``train_step(models.gpt.stages(cfg), ...)`` under any layout."""
+        return self.loss(params, batch)
+
     def loss(self, params: Any, batch: Any) -> torch.Tensor:
         """The single-device loss: ``last(params, block_{n-1}(... block_0(first(params, batch))), batch)``."""
         carry = self.first(params, batch)

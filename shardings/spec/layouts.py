@@ -159,6 +159,11 @@ register(
 # Sequence parallelism: the residual stream's seq dim goes to tp. Its rule comes after tp's, so
 # inside attention/MLP (where heads/mlp already hold tp) seq stays whole.
 register("sp", Layout(activations=Rules([("seq", "tp")])), group="sp", needs=(("tp",),), after=("tp",), rank=20)
+# Pipeline parallelism: the blocks' index (logical name "layers", the i of params["blocks"][i]) on mesh axis pp.
+# No tensor has that dim, so the tables place nothing: the train step splits the blocks into stages and runs
+# the other presets inside each stage (shardings.step.pipeline_step).
+_PP = Rules([("layers", "pp")])
+register("pp", Layout(params=_PP, compute=_PP, grads=_PP, opt_state=_PP), group="pp", needs=(("pp",),), rank=30)
 _ALIASES = {"fsdp": "zero3", "ddp": "dp"}
 
 

@@ -153,6 +153,20 @@ class Mesh:
             _MESHES[id(dm)] = self
         return _DEVICE_MESHES[key]
 
+    def without(self, axis: str) -> Mesh:
+        """The mesh of the other axes, as the ranks sharing this rank's ``axis`` coordinate see it.
+
+        A pipeline stage's mesh: on ``Mesh(dp=2, pp=2, tp=2)``, ``without("pp")`` is a ``(dp=2, tp=2)``
+        mesh whose device mesh is the slice of this one holding this rank (``device_mesh["dp", "tp"]``).
+
+        >>> Mesh(dp=2, pp=2, tp=2).without("pp")
+        Mesh(dp=2, tp=2)
+        """
+        if axis not in self._shape:
+            raise sharding_error(f"unknown mesh axis {axis!r}", fix=f"use one of {self.axis_names}", mesh=self)
+        rest = [(n, k) for n, k in self._shape.items() if n != axis] or [("dp", 1)]
+        return _Slice(self, rest)
+
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self._shape.items()) + ")"
 
@@ -161,6 +175,33 @@ class Mesh:
 
     def __hash__(self) -> int:
         return hash(tuple(self._shape.items()))
+
+
+class _Slice(Mesh):
+    """:meth:`Mesh.without`'s result: its device mesh is a slice of the parent's (size-1 axes kept as dims)."""
+
+    def __init__(self, parent: Mesh, sizes: list[tuple[str, int]]):
+        super().__init__(sizes)
+        self._parent = parent
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        self._parent.device_mesh  # noqa: B018  (the parent's checks: a process group of the right size)
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        key = (device_type, "slice", tuple(self._parent.shape.items()), tuple(self._shape.items()))
+        if key not in _DEVICE_MESHES:
+            keep = self.device_axes
+            # every axis of the parent and the slice's size-1 axis (if any), so slicing can keep it as a dim
+            axes = [(n, k) for n, k in self._parent.shape.items() if k > 1 or n in keep]
+            if not all(n in dict(axes) for n in keep):
+                axes = [(n, 1) for n in keep if n not in dict(axes)] + axes
+            full = init_device_mesh(device_type, tuple(k for _, k in axes), mesh_dim_names=tuple(n for n, _ in axes))
+            dm = full[keep] if len(keep) > 1 else full[keep[0]]
+            for name in keep:
+                register_group(dm.get_group(name).group_name, name)
+            _DEVICE_MESHES[key] = dm
+            _MESHES[id(dm)] = self
+        return _DEVICE_MESHES[key]
 
 
 class P(tuple):

@@ -310,7 +310,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
                token_count: Callable[[Any], torch.Tensor] = default_token_count,
                bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
-               count_comms: bool = True, donate: bool = False) -> TrainStep:
+               count_comms: bool = True, donate: bool = False, microbatches: int | None = None,
+               schedule: Any = "1f1b", stage_sizes: list[int] | None = None) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -338,6 +339,13 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
             passed in (JAX's ``donate_argnums``): do not use those afterwards. With ``local`` and an
             optimizer that has a ``fused_step`` (``adamw``), the update then runs in torch's fused
             kernel on local shards in place; without donation it runs on copies.
+        microbatches: with ``pp`` in the layout, the pipeline's microbatches per step (default ``accum_steps``,
+            or the ``pp`` size when that is 1); otherwise another name for ``accum_steps``.
+        schedule: with ``pp``: ``"gpipe"``, ``"1f1b"`` or a checked ``shardings.pipeline.Schedule``.
+        stage_sizes: with ``pp``: blocks per stage (default: balanced by parameter count, ``pipeline.split``).
+
+    With ``pp`` the loss must be the model's ``Stages`` (``models.gpt.stages(cfg)``):
+    :mod:`shardings.step.pipeline_step`.
 
     Returns:
         A :class:`TrainStep`: ``opt_state = step.init(params)``, then
@@ -346,6 +354,13 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     >>> step = train_step(functools.partial(models.gpt.loss, cfg=cfg), core.optim.adamw(3e-4),
     ...                   layout="zero3+tp", mesh=Mesh(dp=2, tp=2))
     """
-    return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
-                     clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
-                     local=local, count_comms=count_comms, donate=donate)
+    from shardings.step.pipeline_step import PipelineStep, has_pp
+
+    kw = dict(axes=axes, clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
+              count_comms=count_comms, donate=donate)
+    if has_pp(layout):
+        m = microbatches or (accum_steps if accum_steps > 1 else mesh.axis_size("pp"))
+        return PipelineStep(loss_fn, optimizer, layout=layout, mesh=mesh, microbatches=m, schedule=schedule,
+                            stage_sizes=stage_sizes, **kw)
+    return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, accum_steps=microbatches or accum_steps,
+                     local=local, **kw)

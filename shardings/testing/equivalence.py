@@ -18,6 +18,7 @@ from shardings.spec.distribute import gather
 from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
 from shardings.step.initialize import init as sharded_init
+from shardings.step.pipeline_step import has_pp
 from shardings.step.train_step import train_step
 from shardings.testing.tolerance import ULPS, diff, tolerance
 
@@ -215,6 +216,8 @@ def check_equivalence(
     local: bool = True,
     donate: bool = False,
     bucket_mb: float = DEFAULT_BUCKET_MB,
+    stages: Callable[[Any], Any] | None = None,
+    schedule: Any = "1f1b",
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -255,6 +258,9 @@ def check_equivalence(
         donate: the train step's ``donate`` option (AdamW's fused kernel in place on local shards).
         bucket_mb: the train step's bucket size for its flattened collectives: a small one checks
             several buckets (their boundaries, overlap and ZeRO-3 prefetch) on a small model.
+        stages: for layouts with ``pp``: the model's stage declaration as a function of ``cfg``
+            (``models.gpt.stages``); the pipeline then runs ``accum_steps`` microbatches (default ``pp``).
+        schedule: for layouts with ``pp``: ``"gpipe"``, ``"1f1b"`` or a ``shardings.pipeline.Schedule``.
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -270,8 +276,14 @@ def check_equivalence(
     for layout in layouts:
         layout = get_layout(layout)
         step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb)
-        runs[layout.name] = functools.partial(_run_layout, runtime, init, loss_fn, axes, cfg, batch, optimizer, steps,
-                                              key, layout, mesh, step_kw)
+        layout_loss = loss_fn
+        if has_pp(layout):
+            if stages is None:
+                raise ValueError(f"check_equivalence: layout {layout.name!r} pipelines the blocks. Fix: pass "
+                                 "stages=model.stages (a function of cfg), e.g. stages=models.gpt.stages.")
+            layout_loss, step_kw["schedule"] = stages(cfg), schedule
+        runs[layout.name] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch, optimizer,
+                                              steps, key, layout, mesh, step_kw)
     return check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm, seed=seed,
                       terms=terms, ulps=ulps, raise_on_failure=raise_on_failure, where=f" on {mesh!r}")
 

@@ -37,7 +37,7 @@ def test_model_members(compose_train, model):
 def test_layout_members(compose_train):
     # Each member is exactly LayoutConf(name=member): compose the presets alone and a few compositions,
     # and build every member on a mesh with every axis a preset can need.
-    every_axis = ("mesh=dp2_fsdp2_tp2", "++mesh.sizes.cp=2", "++mesh.sizes.ep=2")
+    every_axis = ("mesh=dp2_fsdp2_tp2", "++mesh.sizes.cp=2", "++mesh.sizes.ep=2", "++mesh.sizes.pp=2")
     names = layout_names()
     for name in [n for n in names if "+" not in n] + ["zero3+tp", "zero3+tp+sp", "hsdp+tp"]:
         assert compose_train(f"layout={name}", *every_axis).layout.name == name
