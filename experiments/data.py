@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed._local_tensor import rank_map
 from torch.distributed.tensor import DTensor
 
+from shardings.runtime.compat import rank_map
 from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
 from shardings.spec.lower import coords_of_rank

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
 
 import core
 import shardings
@@ -49,6 +48,7 @@ from experiments.config import register
 from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
 from shardings import checkpoint
+from shardings.runtime.compat import maybe_disable_local_tensor_mode
 from shardings.step.initialize import init as sharded_init
 from shardings.step.train_step import train_step
 

@@ -56,8 +56,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "all_to_all's backward repeats the forward exchange instead of reversing split and concat",
            (f"{T_COLL}::test_all_to_all",)),
     Mutant("flattened-axis-scatter-order-not-inverted", "shardings/comm/axis_comm.py",
-           "x = _reorder(x, _inverse(ax.order)).contiguous()\n    return _wait(funcol.reduce_scatter_single(",
-           "x = _reorder(x, ax.order).contiguous()\n    return _wait(funcol.reduce_scatter_single(",
+           "x = _reorder(x, _inverse(ax.order)).contiguous()\n    return _wait(reduce_scatter_single(",
+           "x = _reorder(x, ax.order).contiguous()\n    return _wait(reduce_scatter_single(",
            "a reduce-scatter over axes named out of mesh order permutes blocks by the order, not its inverse "
            "(psum_scatter, and all_gather's transpose)",
            (f"{T_COLL}::test_psum_scatter", f"{T_COLL}::test_all_gather")),

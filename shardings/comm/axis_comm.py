@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
+from shardings.runtime.compat import all_gather_single, maybe_run_for_local_tensor, reduce_scatter_single
 from shardings.spec.errors import sharding_error
 from shardings.spec.lower import rank_coords
 from shardings.spec.mesh import Mesh, register_group
@@ -156,7 +156,7 @@ def _gather0(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
     """[d0, ...] -> [size * d0, ...]."""
     if ax.size == 1:
         return x
-    return _reorder(_wait(funcol.all_gather_single(x.contiguous(), 0, ax.group)), ax.order)
+    return _reorder(_wait(all_gather_single(x.contiguous(), 0, ax.group)), ax.order)
 
 
 def _scatter0(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
@@ -164,7 +164,7 @@ def _scatter0(x: torch.Tensor, ax: _Axis) -> torch.Tensor:
     if ax.size == 1:
         return x
     x = _reorder(x, _inverse(ax.order)).contiguous()
-    return _wait(funcol.reduce_scatter_single(x, "sum", 0, ax.group))
+    return _wait(reduce_scatter_single(x, "sum", 0, ax.group))
 
 
 def _all_to_all0(x: torch.Tensor, ax: _Axis) -> torch.Tensor:

@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode, rank_map
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from core import tree
 from shardings.comm.axis_comm import bind_mesh
+from shardings.runtime.compat import LocalTensor, enabled_local_tensor_mode, rank_map
 from shardings.spec.errors import sharding_error
 from shardings.spec.lower import on_mesh, to_placements
 from shardings.spec.mesh import Mesh, P

@@ -40,13 +40,13 @@ from typing import Any, NamedTuple
 
 import einops
 import torch
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor
 
 from shardings.comm.accounting import recorded_as
 from shardings.comm.collectives import all_gather, axis_index, axis_size, bind_mesh, ppermute
 from shardings.comm.shard_map import shard_map
 from shardings.ops import attention_kernels as kernels
+from shardings.runtime.compat import maybe_run_for_local_tensor
 from shardings.spec.context import constrain, current
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, P

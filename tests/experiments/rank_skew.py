@@ -10,11 +10,11 @@ agree and only ``['unembed']`` differs — the key path the CLI must name.
 from __future__ import annotations
 
 import torch
-from torch.distributed._local_tensor import rank_map
 from torch.distributed.tensor import DTensor
 
 from models import mlp
 from models.mlp import Config, axes, example_batch, init
+from shardings.runtime.compat import rank_map
 
 __all__ = ["Config", "apply", "axes", "example_batch", "init", "loss"]
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import shardings
 from shardings import Mesh
 from shardings.comm import accounting, buckets
+from shardings.runtime.compat import LocalTensor
 
 
 def _partial(shape, mesh, placements, seed):

@@ -209,7 +209,7 @@ def test_a_simulated_load_onto_a_2d_mesh_puts_each_block_on_its_rank(tmp_path):
 
 
 def test_rank_dependent_plain_tensor_is_refused_under_simulate(tmp_path):
-    from torch.distributed._local_tensor import LocalTensor
+    from shardings.runtime.compat import LocalTensor
 
     with shardings.simulate(2), pytest.raises(checkpoint.CheckpointError, match=r"\['skew'\].*different values"):
         checkpoint.save(tmp_path, {"skew": LocalTensor({0: torch.zeros(2), 1: torch.ones(2)})}, step=0)

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed._local_tensor import maybe_disable_local_tensor_mode, rank_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardings import Mesh, ShardingError, per_rank, simulate
@@ -25,6 +24,7 @@ from shardings.comm.collectives import (
     psum,
     psum_scatter,
 )
+from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.spec.lower import rank_coords
 from shardings.spec.mesh import axis_of_group
 from shardings.testing import assert_close

@@ -4,12 +4,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import core
 from shardings import Mesh, P, Rules, ShardingError, constrain, current, per_rank, simulate, use
+from shardings.runtime.compat import LocalTensor, maybe_disable_local_tensor_mode
 from shardings.testing import assert_close
 
 MESH = Mesh(dp=2, tp=2)

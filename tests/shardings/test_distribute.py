@@ -4,11 +4,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from shardings import Mesh, P, gather, partial_axes, per_rank, reshard, shard, simulate, spec_of, unwrap
+from shardings.runtime.compat import LocalTensor
 from shardings.spec.lower import local_block, rank_coords
 from shardings.testing import meshes, specs
 

@@ -20,7 +20,6 @@ import re
 
 import pytest
 import torch
-from torch.distributed._local_tensor import LocalTensor
 
 import core
 import models.gpt as gpt
@@ -29,6 +28,7 @@ from core import tree
 from shardings import Mesh
 from shardings.comm import buckets, flat_comm
 from shardings.residency import gather_buckets
+from shardings.runtime.compat import LocalTensor
 from shardings.step import local_step
 from shardings.testing import EquivalenceError, check_equivalence, compare_trees
 

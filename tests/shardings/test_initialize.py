@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from torch.distributed._local_tensor import LocalTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import core
@@ -17,6 +16,7 @@ import models
 import shardings
 from core import deferred, tree
 from shardings import Mesh, ShardingError, gather, per_rank, simulate, spec_of
+from shardings.runtime.compat import LocalTensor
 from shardings.spec import layouts
 from shardings.spec.lower import local_block, rank_coords, to_placements
 from shardings.step.initialize import init, param_specs

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed._local_tensor import rank_map
 from torch.distributed.tensor import DTensor, Replicate
 
 import core
 from shardings import Mesh, P, ShardingError, per_rank, simulate
 from shardings.comm.collectives import all_gather, all_to_all, axis_index, pmean, ppermute, psum, psum_scatter
 from shardings.comm.shard_map import shard_map
+from shardings.runtime.compat import rank_map
 from shardings.runtime.launch import launch
 from shardings.spec.lower import local_block, rank_coords, to_placements
 from shardings.testing import assert_close
