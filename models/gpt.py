@@ -265,7 +265,7 @@ def stages(cfg: Config) -> Stages:
         block = core.remat(block)
     return Stages(first=lambda params, batch: embed(params, batch["tokens"]),
                   block=lambda p, x, i: block(p, x),
-                  last=functools.partial(_head_loss, cfg=cfg))
+                  last=functools.partial(_head_loss, cfg=cfg), carry_names=lambda x: RESIDUAL)
 
 
 def _head_loss(params: Params, x: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:

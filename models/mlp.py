@@ -141,7 +141,8 @@ def stages(cfg: Config) -> Stages:
     return Stages(first=lambda params, batch: _embed(params, batch["tokens"]),
                   block=lambda p, x, i: _block(p, x, cfg),
                   last=lambda params, x, batch: cross_entropy(
-                      _logits(params, x, cfg), constrain(batch["labels"], ("batch", "seq")), cfg.ignore_index))
+                      _logits(params, x, cfg), constrain(batch["labels"], ("batch", "seq")), cfg.ignore_index),
+                  carry_names=lambda x: RESIDUAL)
 
 
 def example_batch(cfg: Config, batch_size: int, seed: int = 0, with_ignored: bool = False) -> dict[str, torch.Tensor]:

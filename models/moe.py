@@ -355,7 +355,8 @@ def stages(cfg: Config) -> Stages:
     :func:`loss` is these composed (through :func:`apply_with_aux`: the same block and head functions).
     """
     return Stages(first=lambda params, batch: (gpt.embed(params, batch["tokens"]), {}), block=_carry_block(cfg),
-                  last=functools.partial(_head_loss, cfg=cfg))
+                  last=functools.partial(_head_loss, cfg=cfg),
+                  carry_names=lambda carry: (RESIDUAL, {k: ("batch",) for k in carry[1]}))
 
 
 def _head_loss(params: Params, carry: tuple[torch.Tensor, Aux], batch: dict[str, torch.Tensor],

@@ -234,14 +234,16 @@ class _Mailbox:
 
 
 def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
-        weights: Sequence[float], *, mesh: Any = None) -> Result:
+        weights: Sequence[float], *, mesh: Any = None, carry_layout: Any = None) -> Result:
     """Run ``schedule``; ``weights[i]``: microbatch ``i``'s token share (module docstring).
 
     Without ``mesh``, every rank runs in this process (simulated). With a :class:`~shardings.Mesh` that has a
     ``pp`` axis, on real processes: this process runs its own rank's actions (its ``pp`` coordinate) and
     messages go over the ``pp`` process group (:mod:`shardings.pipeline.wire`). The loss is then summed over
     the stages (every rank gets it), the timeline holds every rank's actions, and ``grads`` are this rank's:
-    its stages' parameters, zeros elsewhere.
+    its stages' parameters, zeros elsewhere. ``carry_layout = (plain_stages, placements, stage_mesh)`` says how a
+    carry of DTensors travels: the stage functions without their layout context (for the meta-device run that
+    sizes the messages), ``placements(carry) -> [placements per leaf]`` and the stage mesh's ``DeviceMesh``.
 
     Raises:
         ScheduleError: the schedule does not check (before any work).
@@ -254,7 +256,7 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
                          f"into {split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. "
                          "Fix: build the schedule and the split for the same pp and pass one weight per microbatch.")
     if mesh is not None:
-        return _run_rank(schedule, stages, split, params, microbatches, weights, mesh)
+        return _run_rank(schedule, stages, split, params, microbatches, weights, mesh, carry_layout)
     runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox())
     pending = [list(actions) for actions in schedule.ranks]
     while any(pending):
@@ -269,18 +271,21 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
 
 
 def _run_rank(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
-              weights: Sequence[float], mesh: Any) -> Result:
+              weights: Sequence[float], mesh: Any, carry_layout: Any) -> Result:
     dm = mesh.device_mesh
     rank, group = dm.get_local_rank("pp"), dm.get_group("pp")
-    wire = Wire(schedule, rank, group, templates(stages, split, params, microbatches[0]))
+    plain, placements, stage_dm = carry_layout or (stages, None, None)
+    wire = Wire(schedule, rank, group, templates(plain, split, params, microbatches[0], placements, stage_dm))
     runner = _Runner(schedule, stages, split, params, microbatches, weights, wire)
     for action in schedule.ranks[rank]:
         runner.do(rank, action)
     wire.finish()
     result = runner.result()
-    dist.all_reduce(result.loss, group=group)  # only the last stage's is non-zero
+    loss = result.loss.full_tensor() if isinstance(result.loss, DTensor) else result.loss
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)  # only the last stage's is non-zero
     timelines: list[Any] = [None] * schedule.pp
     dist.all_gather_object(timelines, result.timeline, group=group)
     peaks: list[Any] = [None] * schedule.pp
     dist.all_gather_object(peaks, result.saved_peak[rank], group=group)
-    return dataclasses.replace(result, timeline=[t for tl in timelines for t in tl], saved_peak=peaks)
+    return dataclasses.replace(result, loss=loss, timeline=[t for tl in timelines for t in tl], saved_peak=peaks)

@@ -32,6 +32,9 @@ class Stages:
     block: Callable[[Any, Any, int], Any]
     last: Callable[[Any, Any, Any], torch.Tensor]
     blocks: str = "blocks"
+    # carry -> the logical names of its tensors (a pytree like it): how a carry of DTensors is laid out when
+    # it arrives from another process (real ranks under a layout); e.g. ``lambda x: ("batch", "seq", "embed")``
+    carry_names: Callable[[Any], Any] | None = None
 
     def __call__(self, params: Any, batch: Any) -> torch.Tensor:
         """The stages are a loss function: ``train_step(models.gpt.stages(cfg), ...)`` under any layout."""

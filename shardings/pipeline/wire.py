@@ -11,10 +11,13 @@ computes. Messages between two stages keep their order (one tag per direction an
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import _pytree as pytree
 
 from shardings.pipeline.schedule import Schedule
@@ -32,42 +35,59 @@ class Message:
 
 
 class Template:
-    """The layout of one boundary's message: the carry's tree structure, and each tensor's shape and dtype."""
+    """The layout of one boundary's message: the carry's tree structure, each tensor's shape and dtype, and
+    (a carry of DTensors on a stage mesh) each one's placements: then the local blocks travel."""
 
-    def __init__(self, carry: Any):
+    def __init__(self, carry: Any, placements: list[Any] | None = None, device_mesh: Any = None):
         leaves, self.spec = pytree.tree_flatten(carry)
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             raise TypeError(f"pipeline: the carry between stages must be a pytree of tensors, got {carry!r}. Fix: "
                             "pass plain values through the model's config, not the carry.")
-        self.shapes = [(x.shape, x.dtype) for x in leaves]
+        self.global_shapes = [x.shape for x in leaves]
+        self.placements, self.device_mesh = placements, device_mesh
+        local = [x.shape if placements is None else compute_local_shape_and_global_offset(x.shape, device_mesh, pl)[0]
+                 for x, pl in zip(leaves, placements or [None] * len(leaves))]
+        self.shapes = [(torch.Size(shape), x.dtype) for shape, x in zip(local, leaves)]
         self.nbytes = sum(s.numel() * d.itemsize for s, d in self.shapes)
 
     def pack(self, payload: Any) -> torch.Tensor:
-        leaves = pytree.tree_leaves(payload)
+        leaves = [x.to_local() if isinstance(x, DTensor) else x for x in pytree.tree_leaves(payload)]
         return torch.cat([x.detach().contiguous().reshape(-1).view(torch.uint8) for x in leaves])
 
     def unpack(self, buf: torch.Tensor) -> Any:
         out, at = [], 0
-        for shape, dtype in self.shapes:
+        for i, (shape, dtype) in enumerate(self.shapes):
             n = shape.numel() * dtype.itemsize
-            out.append(buf[at:at + n].view(dtype).reshape(shape))
+            x = buf[at:at + n].view(dtype).reshape(shape)
+            if self.placements is not None:
+                g = self.global_shapes[i]
+                x = DTensor.from_local(x, self.device_mesh, self.placements[i], run_check=False, shape=g,
+                                       stride=torch.empty(g, device="meta").stride())
+            out.append(x)
             at += n
         return pytree.tree_unflatten(out, self.spec)
 
 
 def _meta(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, tree)
+    """Plain meta tensors of the global shapes (a DTensor's too)."""
+    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                           if isinstance(x, torch.Tensor) else x, tree)
 
 
-def templates(stages: Stages, split: Split, params: Any, microbatch: Any) -> list[Template]:
-    """``out[s]``: the message between stage ``s`` and ``s + 1`` (a forward carry; its gradient has its layout)."""
+def templates(stages: Stages, split: Split, params: Any, microbatch: Any,
+              placements: Callable[[Any], list[Any]] | None = None, device_mesh: Any = None) -> list[Template]:
+    """``out[s]``: the message between stage ``s`` and ``s + 1`` (a forward carry; its gradient has its layout).
+
+    ``stages`` run on meta tensors of the global shapes (outside any layout); ``placements(carry)``, when given,
+    lays each carry leaf out on ``device_mesh`` (a stage mesh): then messages hold local blocks.
+    """
     params, out = _meta(params), []
     with torch.no_grad():
         carry = stages.first(params, _meta(microbatch))
         for blocks in split.ranges[:-1]:
             for i in blocks:
                 carry = stages.block(params[stages.blocks][i], carry, i)
-            out.append(Template(carry))
+            out.append(Template(carry, placements(carry) if placements else None, device_mesh))
     return out
 
 

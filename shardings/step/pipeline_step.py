@@ -10,24 +10,34 @@ gradients accumulate over microbatches and are reduced once per step over the da
 the loss is the global token mean, and clipping sees every stage's gradients.
 
 On simulated ranks every stage runs in this process (the stage mesh's DTensors then hold the same
-values on the ranks of every stage). Real processes are not supported by this step yet: run the
-pipeline itself there with ``shardings.pipeline.run(..., mesh=)``.
+values on the ranks of every stage). On real processes each rank runs its own stage's actions and
+carries travel as local blocks over the ``pp`` group (laid out on arrival by the model's
+``Stages.carry_names``). Every rank still holds every stage's parameters (``shardings.init`` makes
+them all); it computes, reduces and clips the gradients of its own blocks, and the gradients of the
+parameters outside the blocks (embedding, final norm, head: used by the first and the last stage) are
+summed over ``pp``. The global norm for clipping adds each stage's part once (a scalar all-reduce over
+``pp``). Blocks of other stages are not kept in sync (their gradients are zero here):
+:meth:`PipelineStep.gather_stages` fetches each block from the rank that owns it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+import core
 from core import tree
 from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Schedule, Stages, build, run, split
-from shardings.spec import layouts
+from shardings.spec import layouts, lower
 from shardings.spec.context import use
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh
+from shardings.spec.rules import logical_to_spec
 from shardings.step.train_step import TrainStep
 
 __all__ = ["PIPELINE_PRESETS", "PipelineStep", "has_pp"]
@@ -57,6 +67,7 @@ class PipelineStep(TrainStep):
             raise sharding_error(f"layout {layout.name!r}: pp does not compose with {sorted(other)} yet",
                                  fix=f"use pp with {sorted(PIPELINE_PRESETS - {'pp'})}", mesh=mesh)
         super().__init__(stages, optimizer, layout=layout, mesh=mesh, accum_steps=microbatches, local=False, **kw)
+        self._max_norm = kw.get("clip_norm")
         self.full_mesh, self.mesh, self.stages = mesh, mesh.without("pp"), stages
         pp = mesh.axis_size("pp")
         self.schedule = schedule if isinstance(schedule, Schedule) else build(schedule, pp, microbatches)
@@ -83,22 +94,73 @@ class PipelineStep(TrainStep):
                                "bubble_planned": self.schedule.bubble(), "saved_peak": list(self.last.saved_peak)}
         return params, opt_state, metrics
 
+    @property
+    def real(self) -> bool:
+        """Real processes (each runs its own stage), not simulated ranks (all stages in this process)."""
+        return dist.get_backend() != "fake"
+
+    def _owners(self, params: Any) -> list[int | None]:
+        """Per leaf: the stage whose blocks hold it, or ``None`` (outside the blocks: first and last stage)."""
+        where = self.split(params)
+        owners = []
+        for path, _ in tree.leaves_with_path(params):
+            key = getattr(path[0], "key", None)
+            owners.append(where.stage_of(path[1].idx) if key == self.stages.blocks else None)
+        return owners
+
     def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
         """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state."""
-        if dist.get_backend() != "fake":
-            raise sharding_error("a train step with pp runs on simulated ranks only so far",
-                                 fix="use shardings.simulate(n), or shardings.pipeline.run(..., mesh=) on real ranks",
-                                 cls=NotImplementedError, mesh=self.full_mesh)
         plan = self.plan(params)
         batch = self._place_batch(batch)
         mbs = self._microbatches(batch)
         total = self.token_count(batch)
         weights = [self.token_count(mb) / total for mb in mbs]
         compute = tree.unflatten(plan.treedef, self._to("compute", tree.leaves(params)))
-        result = run(self.schedule, self._in_stage(self.stages), self.split(params), compute, mbs, weights)
+        carry = (self.stages, self._carry_placements, self.mesh.device_mesh) if self.real else None
+        result = run(self.schedule, self._in_stage(self.stages), self.split(params), compute, mbs, weights,
+                     mesh=self.full_mesh if self.real else None, carry_layout=carry)
         self.last = result
         reduced = buckets.reduce(tree.leaves(result.grads), plan.placements["opt_state"], self.bucket_mb)
+        if self.real:  # the first and the last stage each hold part of the edge parameters' gradients (reduced
+            group = self.full_mesh.device_mesh.get_group("pp")  # within each stage first: one layout on every rank)
+            for g, owner in zip(reduced, self._owners(params)):
+                if owner is None:
+                    dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
         return result.loss, tree.unflatten(plan.treedef, reduced), total
+
+    def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        """:meth:`TrainStep.apply`; on real ranks the clip's global norm first adds up every stage's part."""
+        if self.real and self._clip is not None:
+            grads = self._clip_across_stages(params, grads)  # the clip inside apply then scales by exactly 1
+        return super().apply(params, opt_state, grads)
+
+    def _clip_across_stages(self, params: Any, grads: Any) -> Any:
+        rank = self.full_mesh.device_mesh.get_local_rank("pp")
+        mine = [g for g, owner in zip(tree.leaves(grads), self._owners(params))
+                if owner == rank or (owner is None and rank == 0)]  # edge parameters: counted once
+        sq = core.optim.global_norm(mine) ** 2 if mine else torch.zeros(())
+        sq = (sq.full_tensor() if isinstance(sq, DTensor) else sq).detach().clone()
+        dist.all_reduce(sq, group=self.full_mesh.device_mesh.get_group("pp"))
+        factor = (self._max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        return tree.map(lambda g: g * factor.to(g.dtype), grads)
+
+    def gather_stages(self, params: Any) -> Any:
+        """Every block as its owner holds it (a broadcast over ``pp`` per leaf); the identity on simulated ranks."""
+        if not self.real:
+            return params
+        dm = self.full_mesh.device_mesh
+        group, leaves = dm.get_group("pp"), tree.leaves(params)
+        for x, owner in zip(leaves, self._owners(params)):
+            if owner is not None:
+                local = x.to_local() if isinstance(x, DTensor) else x
+                dist.broadcast(local, src=dist.get_global_rank(group, owner), group=group)
+        return params
+
+    def _carry_placements(self, carry: Any) -> list[Any]:
+        names = tree.leaves(self.stages.carry_names(carry), is_leaf=lambda n: isinstance(n, tuple))
+        rules = self.layout.role("activations")
+        return [lower.to_placements(logical_to_spec(n, rules, self.mesh), self.mesh, x.ndim)
+                for n, x in zip(names, tree.leaves(carry))]
 
     def _in_stage(self, stages: Stages) -> Stages:
         """The stage functions run with this layout's rules on the stage mesh (``constrain`` resolves there)."""

@@ -160,15 +160,28 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
     """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
     optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh)
+    loss_fn = loss_fn.build() if isinstance(loss_fn, _StagesOf) else loss_fn
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
     state = step.init(params)
+    sync = getattr(step, "gather_stages", lambda t: t)  # pp on real ranks: each block from the rank that owns it
     out = []
     for _ in range(steps):
         loss, grads, _ = step.grads(params, batch)
         params, state = step.apply(params, state, grads)
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        out.append(_rank_values({"loss": loss, "grads": gather(grads), "params": gather(params)}))
+        out.append(_rank_values({"loss": loss, "grads": gather(sync(grads)), "params": gather(sync(params))}))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _StagesOf:
+    """A model's stages, built where the train step runs (a Stages holds lambdas: it does not pickle)."""
+
+    factory: Callable[[Any], Any]
+    cfg: Any
+
+    def build(self) -> Any:
+        return self.factory(self.cfg)
 
 
 def _worker(*args: Any) -> list[Any]:
@@ -281,7 +294,7 @@ def check_equivalence(
             if stages is None:
                 raise ValueError(f"check_equivalence: layout {layout.name!r} pipelines the blocks. Fix: pass "
                                  "stages=model.stages (a function of cfg), e.g. stages=models.gpt.stages.")
-            layout_loss, step_kw["schedule"] = stages(cfg), schedule
+            layout_loss, step_kw["schedule"] = _StagesOf(stages, cfg), schedule
         runs[layout.name] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch, optimizer,
                                               steps, key, layout, mesh, step_kw)
     return check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm, seed=seed,

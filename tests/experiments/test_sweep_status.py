@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from experiments.report import main as report
 
 FAST = ["runtime=simulate", "model=mlp", "steps=2", "data.max_bytes=200000", "progress=false"]
@@ -40,6 +42,7 @@ def test_an_impossible_combination_is_skipped_and_the_report_lists_every_job(tmp
         assert [r["run"] for r in csv.DictReader(f)] == ["layout=dp"]  # the table holds the runs
 
 
+@pytest.mark.simulated  # the sweep's jobs run runtime=simulate in a child process
 def test_a_failing_job_is_recorded_the_rest_run_and_the_exit_status_says_so(tmp_path, capsys):
     sweep, proc = _sweep(tmp_path, "layout=dp", "mesh=dp2", "data.source=/no/such/dir,stdlib")
     assert proc.returncode != 0

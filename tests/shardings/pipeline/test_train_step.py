@@ -41,8 +41,8 @@ def test_moe_under_pp():
 
 def test_a_one_percent_error_in_a_microbatch_weight_is_caught(monkeypatch):
     real_run = pipeline_step.run
-    monkeypatch.setattr(pipeline_step, "run", lambda sch, st, sp, p, mbs, w: real_run(sch, st, sp, p, mbs,
-                                                                                      [w[0] * 1.01, *w[1:]]))
+    monkeypatch.setattr(pipeline_step, "run", lambda sch, st, sp, p, mbs, w, **kw: real_run(
+        sch, st, sp, p, mbs, [w[0] * 1.01, *w[1:]], **kw))
     with pytest.raises(EquivalenceError, match="'dp\\+pp'"):
         _check(models.gpt, GPT, ["dp+pp"], Mesh(dp=2, pp=2), "1f1b", steps=1)
 

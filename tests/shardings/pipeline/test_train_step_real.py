@@ -1,0 +1,23 @@
+"""train_step with pp on real gloo processes: each rank runs its own stage; equal to one device (loss, grads and
+params after AdamW steps with accumulation and clipping; each block read from the rank that owns it)."""
+
+import pytest
+
+import models
+from shardings import Mesh
+from shardings.testing import check_equivalence
+
+FIVE = models.gpt.Config(vocab=64, dim=32, layers=5, heads=4, kv_heads=2, seq_len=8, mlp=64)  # 5 blocks, 4 stages
+THREE = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_len=8, mlp=64)
+
+
+@pytest.mark.parametrize("layouts,mesh,cfg,schedule", [
+    (["pp"], Mesh(pp=4), FIVE, "1f1b"),
+    (["dp+pp"], Mesh(dp=2, pp=2), THREE, "gpipe"),
+    (["tp+sp+pp"], Mesh(dp=2, pp=2, tp=2), THREE, "1f1b"),
+], ids=["pp4", "dp2xpp2", "dp2xpp2xtp2"])
+def test_real_ranks_equal_one_device(layouts, mesh, cfg, schedule):
+    batch = models.gpt.example_batch(cfg, 8, with_ignored=True)
+    check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch, layouts=layouts, mesh=mesh,
+                      stages=models.gpt.stages, schedule=schedule, accum_steps=4 if mesh.size == 4 else 2,
+                      clip_norm=0.5, steps=2, runtime="multiprocess")
