@@ -24,6 +24,8 @@ T_LOCAL = ("tests/shardings/test_local_step.py::"
            "test_local_path_matches_the_single_device_reference_with_accumulation_clipping_and_small_buckets")
 T_RING = "tests/shardings/test_ring_attention.py"
 T_KERNELS = "tests/shardings/test_attention_kernels.py"
+T_SCHEDULE = "tests/shardings/pipeline/test_schedule.py"
+T_PIPE = "tests/shardings/pipeline/test_execute.py"
 T_RULES = "tests/shardings/test_rules.py"
 T_DESIGN = "tests/shardings/test_layouts.py::test_design_table"
 T_CP_EP = "tests/shardings/test_layouts_cp_ep.py"  # written for the drill: rule changes equivalence cannot see
@@ -159,6 +161,22 @@ MUTANTS: tuple[Mutant, ...] = (
            "(lse + 0.01).to(accumulator(q.dtype)).contiguous(), 0.0, causal",
            "the block backward uses a log-sum-exp 0.01 off the merged one (probabilities 1% low)",
            (f"{T_KERNELS}::test_blocks_merged_by_log_sum_exp_equal_the_whole", T_RING)),
+    # -- pipeline parallelism: schedules, the executor, the step across stages -------------------------
+    Mutant("1f1b-one-more-warmup", "shardings/pipeline/schedule.py",
+           "warmup = min(pp - r - 1, microbatches)",
+           "warmup = min(pp - r, microbatches)",
+           "1F1B warms up with one forward too many (holds pp - r + 1 microbatches)",
+           (f"{T_SCHEDULE}::test_one_f_one_b_warms_up_then_alternates",)),
+    Mutant("pipeline-accumulate-one-percent", "shardings/pipeline/execute.py",
+           "self.grads[id(leaf)] = g if held is None else held + g",
+           "self.grads[id(leaf)] = g if held is None else held + 1.01 * g",
+           "microbatch gradients after the first are accumulated 1% too large",
+           (f"{T_PIPE}::test_adamw_steps_equal_one_device_with_clipping",)),
+    Mutant("pp-edge-grads-not-summed", "shardings/step/pipeline_step.py",
+           "                    dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)",
+           "                    pass",
+           "on real ranks the embedding/head gradients are not summed over the stages",
+           ("tests/shardings/pipeline/test_train_step_real.py::test_real_ranks_equal_one_device",)),
     # -- MoE: router and capacity -----------------------------------------------------------------------
     Mutant("moe-capacity-floor", "models/moe.py",
            "return min(seq, math.ceil(cfg.capacity_factor * seq * cfg.top_k / cfg.experts))",
