@@ -125,7 +125,7 @@ class PipelineStep(TrainStep):
             group = self.full_mesh.device_mesh.get_group("pp")  # within each stage first: one layout on every rank)
             for g, owner in zip(reduced, self._owners(params)):
                 if owner is None:
-                    dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=group)
+                    _all_reduce_in_place(g.to_local() if isinstance(g, DTensor) else g, group)
         return result.loss, tree.unflatten(plan.treedef, reduced), total
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
@@ -171,3 +171,11 @@ class PipelineStep(TrainStep):
             return call
 
         return Stages(scoped(stages.first), scoped(stages.block), scoped(stages.last), stages.blocks)
+
+
+def _all_reduce_in_place(x: torch.Tensor, group: Any) -> None:
+    """Sum ``x`` over ``group`` into ``x`` (a tied embedding's gradient from the head is a transposed view)."""
+    buf = x if x.is_contiguous() else x.contiguous()
+    dist.all_reduce(buf, group=group)
+    if buf is not x:
+        x.copy_(buf)

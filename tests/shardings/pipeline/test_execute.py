@@ -18,6 +18,8 @@ from shardings.testing import EquivalenceError, check_runs
 
 MODELS = {
     "gpt": (models.gpt, dict(vocab=64, dim=32, heads=4, kv_heads=2, seq_len=8, mlp=64)),
+    # tied embedding: the first stage's lookup and the last stage's head add up to its gradient
+    "gpt_tied": (models.gpt, dict(vocab=64, dim=32, heads=4, kv_heads=2, seq_len=8, mlp=64, tie_embeddings=True)),
     "mlp": (models.mlp, dict(vocab=64, dim=32, mlp=64)),
     "moe": (models.moe, dict(vocab=64, dim=32, heads=4, kv_heads=2, seq_len=8, mlp=32, experts=4, top_k=2)),
 }
@@ -69,6 +71,7 @@ def _pipeline_run(module, cfg, batch, optimizer, steps, schedule, pp, m):
 @example(schedule="1f1b", pp=4, m=8, extra_layers=1, model="gpt")  # 5 layers on 4 stages
 @example(schedule="1f1b", pp=2, m=2, extra_layers=1, model="moe")
 @example(schedule="gpipe", pp=4, m=1, extra_layers=2, model="mlp")
+@example(schedule="1f1b", pp=2, m=4, extra_layers=0, model="gpt_tied")
 def test_adamw_steps_equal_one_device_with_clipping(schedule, pp, m, extra_layers, model):
     """3 AdamW steps with global-norm clipping; microbatches are the accumulation (token-weighted)."""
     module, cfg, _, batch = _setup(model, pp + extra_layers, 8)

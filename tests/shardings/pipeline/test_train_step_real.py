@@ -7,7 +7,8 @@ import models
 from shardings import Mesh
 from shardings.testing import check_equivalence
 
-FIVE = models.gpt.Config(vocab=64, dim=32, layers=5, heads=4, kv_heads=2, seq_len=8, mlp=64)  # 5 blocks, 4 stages
+# 5 blocks on 4 stages; a tied embedding: its gradient is summed from the first and the last rank
+FIVE = models.gpt.Config(vocab=64, dim=32, layers=5, heads=4, kv_heads=2, seq_len=8, mlp=64, tie_embeddings=True)
 THREE = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_len=8, mlp=64)
 
 
