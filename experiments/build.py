@@ -1,8 +1,9 @@
 """From a composed config to the objects a run needs, with every impossible combination caught first.
 
 :func:`build` does all the checking a run can do without a process group — model config, layout
-presets, mesh axes, world size, divisibility of heads/batch/sequence — so a bad combination fails
-at start, with one message, before any process is started.
+presets, mesh axes, world size, divisibility of heads/batch/sequence, and with ``pp`` the pipeline
+(presets it composes with, schedule, microbatches, blocks per stage, simulated ranks) — so a bad
+combination fails at start, with one message, before any process is started.
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ import dataclasses
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import core
 import models
 from core import deferred, tree
+from shardings import pipeline
 from shardings.spec import layouts
 from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.rules import logical_to_spec
 from shardings.step.initialize import param_specs
+from shardings.step.pipeline_step import PIPELINE_PRESETS, has_pp
 
-__all__ = ["ConfigError", "Setup", "build", "optimizer", "pretrained"]
+__all__ = ["ConfigError", "Setup", "build", "loss", "optimizer", "pretrained"]
 
 _ROLES = ("params", "compute", "grads", "opt_state")
 _RUNTIMES = ("simulate", "multiprocess", "torchrun")
@@ -41,6 +45,15 @@ class Setup(NamedTuple):
     layout: Layout
     mesh: Mesh
     seq_len: int  # tokens per row of the data
+    microbatches: int = 1  # per step: accum_steps, or with pp the pipeline's (pipeline.microbatches resolved)
+    schedule: str | None = None  # with pp: the pipeline schedule (gpipe | 1f1b); None without pp
+
+
+def loss(setup: Setup) -> Callable[[Any, Any], Any]:
+    """The loss a train step takes: the model's ``stages(cfg)`` under ``pp``, else its ``loss`` bound to its config."""
+    if setup.schedule is not None:
+        return setup.model.stages(setup.model_cfg)
+    return functools.partial(setup.model.loss, cfg=setup.model_cfg)
 
 
 def _model(conf: Any) -> tuple[ModuleType, Any]:
@@ -96,11 +109,16 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     batch_size = batch_size if batch_size is not None else data.batch_size
     seq_len = seq_len or (data.seq_len if data is not None else None) or model_cfg.seq_len
     accum = cfg.get("accum_steps", 1)
+    pipe = cfg.get("pipeline") or {}
+    schedule = _schedule(pipe.get("schedule", "1f1b"))
     try:
         layout = layouts.get(cfg.layout.name)
         mesh = Mesh(dict(cfg.mesh.sizes))
         if "runtime" in cfg:
             _world_size(cfg.runtime, mesh)
+        pp = has_pp(layout)
+        if pp:
+            _check_pipeline(module, layout)
         layouts.validate(layout, mesh)
         with deferred.deferred():  # shapes only: nothing is drawn
             shapes = module.init(core.random.key(0), model_cfg)
@@ -110,13 +128,63 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         acts = logical_to_spec(("batch", "seq", "embed"), layout.role("activations"), mesh)
     except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
         raise ConfigError(f"layout={cfg.layout.name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
+    if pp:
+        _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"))
+        _check_simulated(cfg.get("runtime"), layout)
     _check_checkpointing(cfg.get("checkpoint"))
+    micro = _microbatches(pipe.get("microbatches"), accum, mesh.axis_size("pp")) if pp else accum
     dp = mesh.axis_size(batch.dim_axes()[0])
-    _divisible("batch size", batch_size, dp * accum, "data.batch_size",
+    _divisible("batch size", batch_size, dp * micro, "data.batch_size",
+               f"{dp} data-parallel ranks × {micro} pipeline microbatches" if pp else
                f"{dp} data-parallel ranks × {accum} accumulation steps")
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
-    return Setup(module, model_cfg, layout, mesh, seq_len)
+    return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None)
+
+
+def _schedule(name: str) -> str:
+    if name not in pipeline.SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={name!r} is unknown. Fix: use one of {sorted(pipeline.SCHEDULES)}.")
+    return name
+
+
+def _check_pipeline(module: ModuleType, layout: Layout) -> None:
+    """A layout with ``pp``: presets it composes with, and a model that declares stages."""
+    other = sorted(set(layout.name.split("+")) - PIPELINE_PRESETS)
+    if other:
+        raise ValueError(f"pp does not compose with {other} yet. "
+                         f"Fix: use pp with {sorted(PIPELINE_PRESETS - {'pp'})}, e.g. layout=dp+pp.")
+    if not callable(getattr(module, "stages", None)):
+        raise ValueError(f"model {module.__name__} declares no pipeline stages (a stages(cfg) function). "
+                         "Fix: use a model with stages (gpt, moe, mlp), or a layout without pp.")
+
+
+def _check_stages(blocks: int, pp: int) -> None:
+    if blocks < pp:
+        raise ConfigError(f"the model has {blocks} blocks (layers), too few for pp={pp} pipeline stages (each needs "
+                          f"at least one). Fix: set model.config.layers to {pp} or more, or use a mesh with "
+                          f"pp <= {blocks}.")
+
+
+def _check_simulated(runtime: Any, layout: Layout) -> None:
+    if runtime is not None and runtime.kind != "simulate":
+        # On real processes each rank keeps only its own stage's blocks current: the run's checkpoints (one copy
+        # of each block, from any rank) and its grad_norm metric do not handle that yet.
+        raise ConfigError(f"layout={layout.name} pipelines the model over pp, which this app runs on simulated ranks "
+                          f"only for now, not runtime={runtime.kind}. Fix: add runtime=simulate to the command line.")
+
+
+def _microbatches(microbatches: int | None, accum: int, pp: int) -> int:
+    """``pipeline.microbatches``, or ``train_step``'s default: ``accum_steps`` when > 1, else the ``pp`` size."""
+    if microbatches is None:
+        return accum if accum > 1 else pp
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"pipeline.microbatches={microbatches!r} is not a positive int. "
+                          "Fix: set it to e.g. the pp size or more, or null for the default.")
+    if accum > 1 and accum != microbatches:
+        raise ConfigError(f"with pp, accum_steps={accum} and pipeline.microbatches={microbatches} both set the "
+                          "microbatches per step. Fix: set only pipeline.microbatches.")
+    return microbatches
 
 
 def _check_checkpointing(conf: Any) -> None:

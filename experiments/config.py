@@ -11,6 +11,10 @@ Groups (pick one member each on the command line, ``group=member``):
   bytes), ``random`` (uniform bytes: nothing to learn, for throughput). ``runtime``: ``simulate``,
   ``multiprocess``, ``torchrun``.
 
+A layout with ``pp`` (``layout=dp+pp mesh=dp2_pp2 runtime=simulate``) pipelines the model's blocks over
+the mesh axis ``pp``; the ``pipeline`` node (not a group: set its fields) picks the schedule and the
+microbatches (``pipeline.schedule=gpipe pipeline.microbatches=4``).
+
 The primary configs are ``train`` (``python -m experiments.train``) and ``equivalence``
 (``python -m experiments.equivalence``).
 """
@@ -39,6 +43,7 @@ __all__ = [
     "MeshConf",
     "ModelConf",
     "OptimConf",
+    "PipelineConf",
     "RuntimeConf",
     "TrainConf",
     "layout_names",
@@ -114,6 +119,14 @@ class CheckpointConf:
     keep: int = 3  # keep the newest k checkpoints
 
 
+@dataclass
+class PipelineConf:
+    """The pipeline of a layout with ``pp`` (ignored without it): its schedule and microbatches per step."""
+
+    schedule: str = "1f1b"  # gpipe | 1f1b: same bubble, 1f1b holds fewer microbatches' activations at once
+    microbatches: int | None = None  # null -> accum_steps when > 1, else the pp size (train_step's default)
+
+
 # `_self_` first: the group members override the dataclass fields' placeholder defaults.
 _TRAIN_DEFAULTS = [
     "_self_",
@@ -138,6 +151,7 @@ class TrainConf:
     data: DataConf = field(default_factory=DataConf)
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    pipeline: PipelineConf = field(default_factory=PipelineConf)
     steps: int = 60  # optimizer steps: enough for the loss to fall from ln(256)≈5.5 to ~3 on 2 cores
     accum_steps: int = 1  # microbatches per step
     seed: int = 0  # parameter init key
@@ -157,6 +171,7 @@ class EquivalenceConf:
     layout: LayoutConf = field(default_factory=LayoutConf)
     mesh: MeshConf = field(default_factory=MeshConf)
     optim: OptimConf = field(default_factory=OptimConf)
+    pipeline: PipelineConf = field(default_factory=PipelineConf)
     steps: int = 3  # optimizer steps compared
     batch_size: int = 8  # rows of model.example_batch
     accum_steps: int = 1  # microbatches per step on the sharded side
@@ -185,6 +200,10 @@ MESHES: dict[str, dict[str, int]] = {
     "dp2_fsdp2_tp2": {"dp": 2, "fsdp": 2, "tp": 2},
     "dp2_cp2": {"dp": 2, "cp": 2},  # context parallelism (layout=dp+cp)
     "dp2_ep2": {"dp": 2, "ep": 2},  # expert parallelism (model=moe_tiny layout=dp+ep)
+    "pp2": {"pp": 2},  # pipeline parallelism (layout=pp runtime=simulate)
+    "pp4": {"pp": 4},  # 4 stages: needs a model with >= 4 layers (gpt_small)
+    "dp2_pp2": {"dp": 2, "pp": 2},  # layout=dp+pp (or zero1+pp, zero2+pp)
+    "dp2_pp2_tp2": {"dp": 2, "pp": 2, "tp": 2},  # layout=tp+sp+pp: data, stages, tensors
 }
 
 _DATA = {"stdlib": DataConf(), "random": DataConf(source="random")}

@@ -8,9 +8,12 @@ configuration that cannot run. The optimizer runs at a constant ``optim.lr`` (no
 compared step moves the parameters. Overrides use Hydra's syntax and the ``train`` app's groups::
 
     python -m experiments.equivalence model=gpt_tiny layout=zero3+tp+sp mesh=dp2_tp2 steps=3
+    python -m experiments.equivalence model=gpt_tiny layout=dp+pp mesh=dp2_pp2 pipeline.schedule=gpipe \
+        pipeline.microbatches=4
 
 ``model.name`` may be a dotted module path with the model interface (``Config``, ``init``,
-``axes``, ``loss``, ``example_batch``): that is how a custom model is checked.
+``axes``, ``loss``, ``example_batch``, and ``stages`` for a layout with ``pp``): that is how a custom
+model is checked.
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model, model_cfg = setup.model, setup.model_cfg
+    pp = setup.schedule is not None  # the pipelined side runs the model's stages, its reference the model's loss
     report = check_equivalence(
         model.init, model.loss, model.axes, model_cfg,
         model.example_batch(model_cfg, cfg.batch_size, seed=cfg.seed),
         layouts=[setup.layout], mesh=setup.mesh, steps=cfg.steps,
-        optimizer=optimizer(cfg.optim, cfg.steps, schedule=False), accum_steps=cfg.accum_steps,
+        optimizer=optimizer(cfg.optim, cfg.steps, schedule=False), accum_steps=setup.microbatches,
         clip_norm=cfg.optim.clip_norm, seed=cfg.seed, raise_on_failure=False,
+        stages=model.stages if pp else None, schedule=setup.schedule or "1f1b",
     )
-    print(f"{cfg.model.name} under {setup.layout.name!r} on {setup.mesh!r}, {cfg.steps} steps vs one device:")
+    how = f", {setup.schedule} over {setup.microbatches} microbatches" if pp else ""
+    print(f"{cfg.model.name} under {setup.layout.name!r} on {setup.mesh!r}{how}, {cfg.steps} steps vs one device:")
     print(report.table())
     if report.ok:
         print("OK: loss, grads and params match the single-device reference within tolerance.")

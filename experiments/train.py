@@ -8,10 +8,17 @@ With no arguments: ``gpt_tiny`` on the standard library's source bytes, layout `
     torchrun --nnodes 2 --nproc-per-node 4 ... -m experiments.train runtime=torchrun mesh=dp2_fsdp2_tp2
 
 Each run's directory (Hydra's) gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
-step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position),
+step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position; with ``pp``
+also ``pipeline``: schedule, microbatches, planned bubble, saved-activation peaks per rank),
 ``summary.json``, ``layout.json`` (``shardings.describe_layout``: every parameter group's spec per
 role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
 experiments.report <multirun dir>`` compares the runs of a sweep.
+
+A layout with ``pp`` pipelines the model's blocks (its ``stages``) over the mesh axis ``pp``, on
+simulated ranks for now::
+
+    python -m experiments.train layout=dp+pp mesh=dp2_pp2 runtime=simulate pipeline.schedule=gpipe \
+        pipeline.microbatches=4
 
 A sweep keeps going past an impossible combination (``zero3+tp+sp`` on ``mesh=dp4``): that job is
 skipped with one line, and its ``status.json`` says ``skipped`` and why. A job that fails while
@@ -26,7 +33,6 @@ Face Llama folder (``experiments.export``'s output).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
@@ -43,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import core
 import shardings
-from experiments.build import ConfigError, build, optimizer, pretrained
+from experiments.build import ConfigError, build, loss, optimizer, pretrained
 from experiments.config import register
 from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
@@ -84,6 +90,7 @@ def _record(step: int, metrics: dict[str, Any], seconds: float, state: DataState
         "memory": memory,
         "memory_per_rank": sum(memory.values()),
         "data_position": state.position,
+        **({"pipeline": metrics["pipeline"]} if "pipeline" in metrics else {}),  # schedule, bubble_planned, ...
     }
 
 
@@ -129,8 +136,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     axes = m.axes(mcfg)
     key = core.random.key(cfg.seed)
     params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh)
-    step = train_step(functools.partial(m.loss, cfg=mcfg), optimizer(cfg.optim, cfg.steps), layout=setup.layout,
-                      mesh=setup.mesh, axes=axes, accum_steps=cfg.accum_steps, clip_norm=cfg.optim.clip_norm,
+    step = train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh, axes=axes,
+                      microbatches=setup.microbatches, schedule=setup.schedule or "1f1b", clip_norm=cfg.optim.clip_norm,
                       donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
@@ -161,7 +168,11 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
         stack.callback(bar.close)
         for i in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
+            if setup.schedule:  # pp: the global batch (one copy: whole tensors), placed by the step on its stage mesh
+                with maybe_disable_local_tensor_mode():
+                    batch, data_state = data.next(data_state)
+            else:
+                batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
             params, opt_state, metrics = step(params, opt_state, batch)
             records.append(_record(i, metrics, time.perf_counter() - t0, data_state))
             if log is not None:

@@ -8,6 +8,7 @@ import models
 from experiments.build import ConfigError, build, optimizer
 from experiments.config import MESHES, MODELS, layout_names, register
 from shardings.spec import layouts
+from shardings.step.pipeline_step import PIPELINE_PRESETS
 
 register()
 
@@ -37,7 +38,8 @@ def test_model_members(compose_train, model):
 def test_layout_members(compose_train):
     # Each member is exactly LayoutConf(name=member): compose the presets alone and a few compositions,
     # and build every member on a mesh with every axis a preset can need.
-    every_axis = ("mesh=dp2_fsdp2_tp2", "++mesh.sizes.cp=2", "++mesh.sizes.ep=2", "++mesh.sizes.pp=2")
+    every_axis = ("mesh=dp2_fsdp2_tp2", "++mesh.sizes.cp=2", "++mesh.sizes.ep=2", "++mesh.sizes.pp=2",
+                  "runtime=simulate")  # layouts with pp train on simulated ranks only
     names = layout_names()
     for name in [n for n in names if "+" not in n] + ["zero3+tp", "zero3+tp+sp", "hsdp+tp"]:
         assert compose_train(f"layout={name}", *every_axis).layout.name == name
@@ -45,13 +47,19 @@ def test_layout_members(compose_train):
     for name in names:
         assert ConfigStore.instance().load(f"layout/{name}.yaml").node == {"name": name}
         cfg.layout.name = name
+        if "pp" in name.split("+") and set(name.split("+")) - PIPELINE_PRESETS:
+            with pytest.raises(ConfigError, match="pp does not compose with"):
+                build(cfg)
+            continue
         assert build(cfg).layout == layouts.get(name)
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 def test_mesh_members(compose_train, mesh):
-    layout = "dp" if {"dp", "fsdp"} & set(MESHES[mesh]) else "tp"
-    assert build(compose_train(f"mesh={mesh}", f"layout={layout}")).mesh.shape == MESHES[mesh]
+    axes = set(MESHES[mesh])
+    layout = "dp" if {"dp", "fsdp"} & axes else "pp" if "pp" in axes else "tp"
+    pp = ["runtime=simulate", "model.config.layers=4"] if layout == "pp" else []  # pp4: a block per stage
+    assert build(compose_train(f"mesh={mesh}", f"layout={layout}", *pp)).mesh.shape == MESHES[mesh]
 
 
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])

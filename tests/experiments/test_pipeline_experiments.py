@@ -1,0 +1,100 @@
+"""The experiment apps with ``pp``: configs compose and build, a simulated train records the pipeline, bad pipeline
+settings fail at build with a fix, and the equivalence app checks a pipelined layout."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from experiments.build import ConfigError, build, loss
+from experiments.equivalence import main as equivalence
+from experiments.train import run
+from shardings.pipeline import Stages
+from tests.experiments.conftest import compose_config
+
+TINY = ["model=gpt_tiny", "model.config.dim=32", "model.config.mlp=64", "model.config.seq_len=16"]  # 2 blocks
+FAST = [*TINY, "data.max_bytes=200000", "data.batch_size=8", "progress=false", "optim.warmup_steps=0",
+        "optim.lr=1e-2"]
+PP = ["layout=dp+pp", "mesh=dp2_pp2", "runtime=simulate"]
+
+
+def train(*overrides):
+    return compose_config("train", overrides)
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    ([], (2, "1f1b")),  # microbatches default to the pp size
+    (["pipeline.schedule=gpipe", "pipeline.microbatches=4"], (4, "gpipe")),
+    (["accum_steps=4"], (4, "1f1b")),  # train_step's default: accum_steps when > 1
+])
+def test_pp_configs_build_with_the_stages_as_the_loss(overrides, want):
+    setup = build(train(*PP, *overrides))
+    assert (setup.microbatches, setup.schedule) == want and setup.mesh.shape == {"dp": 2, "pp": 2}
+    assert isinstance(loss(setup), Stages)
+    setup = build(train("layout=tp+sp+pp", "mesh=dp2_pp2_tp2", "runtime=simulate", "model=gpt_small"))
+    assert setup.layout.name == "tp+sp+pp" and setup.mesh.shape == {"dp": 2, "pp": 2, "tp": 2}
+    setup = build(train("layout=dp", "mesh=dp4", "pipeline.schedule=gpipe"))  # pipeline: ignored without pp
+    assert (setup.microbatches, setup.schedule) == (1, None) and not isinstance(loss(setup), Stages)
+
+
+IMPOSSIBLE = [
+    (["pipeline.microbatches=3"], r"batch size=16 is not divisible by 6 \(2 data-parallel ranks × 3 pipeline micro"),
+    (["data.batch_size=6"], r"batch size=6 is not divisible by 4"),
+    (["model.config.layers=1"], r"the model has 1 blocks \(layers\), too few for pp=2 .*model.config.layers to 2"),
+    (["pipeline.schedule=interleaved"], r"pipeline.schedule='interleaved' is unknown.*\['1f1b', 'gpipe'\]"),
+    (["pipeline.microbatches=0"], r"pipeline.microbatches=0 is not a positive int"),
+    (["accum_steps=2", "pipeline.microbatches=4"], r"accum_steps=2 and pipeline.microbatches=4 both set"),
+    (["layout=zero3+pp"], r"pp does not compose with \['zero3'\] yet.*e.g. layout=dp\+pp"),
+    (["model=mlp", "model.name=tests.experiments.rank_skew"], r"rank_skew declares no pipeline stages"),
+    (["runtime=multiprocess"], r"simulated ranks only for now, not runtime=multiprocess. Fix: add runtime=simulate"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), IMPOSSIBLE)
+def test_bad_pipeline_settings_fail_at_build(overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        build(train(*PP, *overrides))
+    assert "Fix:" in str(info.value)
+
+
+def test_pp_on_real_processes_fails_before_any_process(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "layout=dp+pp", "mesh=dp2_pp2",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and "Fix: add runtime=simulate" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_simulated_pp_train_records_the_pipeline_and_resumes_under_dp(tmp_path):
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    cfg = compose_config("train", [*FAST, *PP, "pipeline.schedule=gpipe", "pipeline.microbatches=4", "steps=3",
+                                   "checkpoint.every=3", ckpt])
+    summary = run(cfg, str(tmp_path / "pp"))
+    records = [json.loads(line) for line in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        pipe = r["pipeline"]
+        assert (pipe["schedule"], pipe["microbatches"]) == ("gpipe", 4)
+        assert pipe["bubble_planned"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1)
+        assert len(pipe["saved_peak"]) == 2 and min(pipe["saved_peak"]) > 0
+        assert any(row["kind"] == "send" and row["axis"] == "pp" for row in r["comm"])
+    losses = [r["loss"] for r in records]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    assert summary["layout"] == "dp+pp" and summary["final_loss"] == losses[-1]
+
+    # the pp checkpoint (params on the stage mesh) resumes under another layout and mesh
+    cfg = compose_config("train", [*FAST, "layout=dp", "mesh=dp4", "runtime=simulate", "steps=4",
+                                   "checkpoint.every=4", ckpt])
+    resumed = run(cfg, str(tmp_path / "dp"))
+    assert resumed["resumed_from"] == 3 and resumed["steps"] == 1
+    assert math.isfinite(resumed["final_loss"])
+
+
+def test_equivalence_app_checks_a_pp_layout(capsys):
+    assert equivalence([*TINY, "layout=dp+pp", "mesh=dp2_pp2", "pipeline.schedule=gpipe", "steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "under 'dp+pp' on Mesh(dp=2, pp=2), gpipe over 2 microbatches, 2 steps" in out and "OK:" in out
+    assert equivalence([*TINY, "layout=dp+pp", "mesh=dp2_pp2", "model.config.layers=1"]) == 2
+    assert "too few for pp=2" in capsys.readouterr().err
