@@ -100,7 +100,9 @@ class PipelineStep(TrainStep):
         return dist.get_backend() != "fake"
 
     def _owners(self, params: Any) -> list[int | None]:
-        """Per leaf: the stage whose blocks hold it, or ``None`` (outside the blocks: first and last stage)."""
+        """Per leaf: the stage whose blocks hold it, or ``None`` (outside the blocks: first and last stage).
+
+        ``params`` may be any tree shaped like the params (their gradients)."""
         where = self.split(params)
         owners = []
         for path, _ in tree.leaves_with_path(params):
@@ -135,14 +137,21 @@ class PipelineStep(TrainStep):
         return super().apply(params, opt_state, grads)
 
     def _clip_across_stages(self, params: Any, grads: Any) -> Any:
+        factor = (self._max_norm / (self._norm_across_stages(grads) + 1e-6)).clamp(max=1.0)
+        return tree.map(lambda g: g * factor.to(g.dtype), grads)
+
+    def _grad_norm(self, grads: Any) -> torch.Tensor:
+        return self._norm_across_stages(grads) if self.real else super()._grad_norm(grads)
+
+    def _norm_across_stages(self, grads: Any) -> torch.Tensor:
+        """The global gradient norm on real ranks: each rank's own blocks, the edge parameters once (rank 0)."""
         rank = self.full_mesh.device_mesh.get_local_rank("pp")
-        mine = [g for g, owner in zip(tree.leaves(grads), self._owners(params))
-                if owner == rank or (owner is None and rank == 0)]  # edge parameters: counted once
+        mine = [g for g, owner in zip(tree.leaves(grads), self._owners(grads))
+                if owner == rank or (owner is None and rank == 0)]
         sq = core.optim.global_norm(mine) ** 2 if mine else torch.zeros(())
         sq = (sq.full_tensor() if isinstance(sq, DTensor) else sq).detach().clone()
         dist.all_reduce(sq, group=self.full_mesh.device_mesh.get_group("pp"))
-        factor = (self._max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-        return tree.map(lambda g: g * factor.to(g.dtype), grads)
+        return sq.sqrt()
 
     def gather_stages(self, params: Any) -> Any:
         """Every block as its owner holds it (a broadcast over ``pp`` per leaf); the identity on simulated ranks."""

@@ -3,7 +3,9 @@ params after AdamW steps with accumulation and clipping; each block read from th
 
 import pytest
 
+import core
 import models
+import shardings
 from shardings import Mesh
 from shardings.testing import check_equivalence
 
@@ -22,3 +24,20 @@ def test_real_ranks_equal_one_device(layouts, mesh, cfg, schedule):
     check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch, layouts=layouts, mesh=mesh,
                       stages=models.gpt.stages, schedule=schedule, accum_steps=4 if mesh.size == 4 else 2,
                       clip_norm=0.5, steps=2, runtime="multiprocess")
+
+
+def _grad_norms(cfg, batch) -> list[float]:
+    mesh = Mesh(dp=2, pp=2)
+    params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg), layout="dp+pp",
+                            mesh=mesh)
+    step = shardings.train_step(models.gpt.stages(cfg), core.optim.adamw(1e-3), layout="dp+pp", mesh=mesh,
+                                microbatches=2, clip_norm=0.5)
+    return [step(params, step.init(params), batch)[2]["grad_norm"]]
+
+
+def test_the_grad_norm_metric_adds_every_stage_once():
+    batch = models.gpt.example_batch(FIVE, 8)
+    want = float(core.optim.global_norm(core.grad(models.gpt.loss)(models.gpt.init(core.random.key(0), FIVE),
+                                                                     batch, FIVE)))
+    for (norm,) in shardings.launch(_grad_norms, 4, FIVE, batch):
+        assert norm == pytest.approx(want, rel=1e-5)
