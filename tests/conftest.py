@@ -116,21 +116,21 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
     return None if compat.HAS_SIMULATION else _ModuleWithoutSimulation.from_parent(parent, path=module_path)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item):  # a fixture that simulates
+def _skip_if_it_needed_simulation():
+    """A hook wrapper: an exception that says simulated ranks are missing becomes a skip with that reason."""
     try:
         return (yield)
     except Exception as e:
         if reason := _needs_simulation(e):
             pytest.skip(reason)
         raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):  # a fixture that simulates
+    return (yield from _skip_if_it_needed_simulation())
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    try:
-        return (yield)
-    except Exception as e:
-        if reason := _needs_simulation(e):
-            pytest.skip(reason)
-        raise
+    return (yield from _skip_if_it_needed_simulation())
