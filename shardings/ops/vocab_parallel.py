@@ -88,7 +88,7 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     x = logits.float()
     if not isinstance(x, DTensor):
-        return _BlockNll.apply(x, labels, _vocab_ids(x), None)
+        return _block_nll(x, labels, _vocab_ids(x), None)
     if isinstance(labels, DTensor):
         vocab_dims = tuple(m for m, p in enumerate(x.placements) if p.is_shard(x.ndim - 1))
         blocks = math.prod(x.device_mesh.size(m) for m in vocab_dims)
@@ -103,7 +103,7 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             like = torch.empty(x.shape[:-1], device="meta")
             pending = tuple(Partial if m in vocab_dims else p for m, p in enumerate(out))
             reduce = functools.partial(_all_reduce, dm, pending, out, like)
-            local = _BlockNll.apply(x.to_local(grad_placements=x.placements), labels.to_local(), ids.to_local(), reduce)
+            local = _block_nll(x.to_local(grad_placements=x.placements), labels.to_local(), ids.to_local(), reduce)
             return DTensor.from_local(local, dm, out, run_check=False, shape=like.shape, stride=like.stride())
     hits = labels[..., None] == _vocab_ids(x)  # (..., vocab) one-hot: uneven vocab blocks, Partial logits
     return logsumexp(x, dim=-1) - _reduced((x * hits).sum(-1))
@@ -123,10 +123,14 @@ def _all_reduce(dm: Any, pending: tuple, out: tuple, like: torch.Tensor, local: 
 class _BlockNll(torch.autograd.Function):
     """:func:`nll` on one block of the vocab (local tensors): the (batch, seq) values are completed by
     ``all_reduce(value, op)`` over the other blocks (``None``: the block is the whole vocab);
-    backward ``(softmax − one_hot)·g`` in one block-sized buffer, no collective."""
+    backward ``(softmax − one_hot)·g`` in one block-sized buffer, no collective.
+
+    Forward and ``setup_context`` are separate (and the row statistics backward needs are extra,
+    non-differentiable outputs), so ``torch.func.grad`` can differentiate through it; :func:`_block_nll`
+    returns the value alone."""
 
     @staticmethod
-    def forward(ctx, block: torch.Tensor, lab: torch.Tensor, ids: torch.Tensor, all_reduce: Any) -> torch.Tensor:
+    def forward(block: torch.Tensor, lab: torch.Tensor, ids: torch.Tensor, all_reduce: Any):
         reduce = all_reduce or (lambda value, op: value)
         shift = reduce(block.detach().amax(-1), "max")  # (batch, seq): the row max over all blocks
         log_sum = reduce((block - shift[..., None]).exp_().sum(-1), "sum").log()  # lse - shift, in [0, log vocab]
@@ -134,14 +138,23 @@ class _BlockNll(torch.autograd.Function):
         hit = (idx >= 0) & (idx < block.shape[-1])
         idx = torch.where(hit, idx, 0)
         target = reduce(block.gather(-1, idx[..., None]).squeeze(-1) * hit, "sum")
-        ctx.save_for_backward(block, shift, log_sum, idx, hit)
         # lse = shift + log_sum is never formed: rounded at the logits' magnitude (ulp(1e4) ~ 1e-3), it would
         # make softmax = exp(x - lse) ~5e-4 off on large logits; x - shift and shift - target are exact
-        return (shift - target) + log_sum
+        return (shift - target) + log_sum, shift, log_sum, idx, hit
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def setup_context(ctx, inputs, output):
+        _, shift, log_sum, idx, hit = output
+        ctx.save_for_backward(inputs[0], shift, log_sum, idx, hit)
+        ctx.mark_non_differentiable(shift, log_sum, idx, hit)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, *_):
         block, shift, log_sum, idx, hit = ctx.saved_tensors
         grad = (block - shift[..., None]).sub_(log_sum[..., None]).exp_().mul_(g[..., None])  # softmax · g
         grad.scatter_add_(-1, idx[..., None], (-g * hit)[..., None])  # − one_hot · g
         return grad, None, None, None
+
+
+def _block_nll(block: torch.Tensor, lab: torch.Tensor, ids: torch.Tensor, all_reduce: Any) -> torch.Tensor:
+    return _BlockNll.apply(block, lab, ids, all_reduce)[0]
