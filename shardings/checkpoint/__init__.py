@@ -194,6 +194,12 @@ def save(
     if root in _PENDING:
         _PENDING.pop(root).wait()
     tensors, values = _split(state)
+    for key, t in tensors.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.device.type == "meta":
+            raise _error(f"{key} is a placeholder (another pipeline stage's block on this rank: pp on real processes "
+                         "holds only its own stage), so it cannot be saved",
+                         fix="save from simulated ranks, or wait for per-stage checkpoints (not implemented yet)")
     tmp = os.path.join(root, f"step_{step}.tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save

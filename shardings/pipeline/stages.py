@@ -69,7 +69,8 @@ class Split:
 
 
 def _numel(tree: Any) -> int:
-    return sum(x.numel() for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor))
+    """Elements of the tensors in ``tree`` (or of anything with a shape: ``core.deferred`` recipes)."""
+    return sum(int(x.shape.numel()) for x in pytree.tree_leaves(tree) if hasattr(x, "shape"))
 
 
 def split(params: Any, stages: int, *, blocks: str = "blocks", costs: Sequence[float] | None = None,

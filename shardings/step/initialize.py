@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core import deferred, tree
+from shardings.pipeline.stages import split
 from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.simulate import unwrap
 from shardings.spec import layouts, lower
@@ -76,6 +79,27 @@ def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str 
     return tree.unflatten(params_def, specs)
 
 
+def _own_blocks(recipes: Any, mesh: Mesh, stage_sizes: list[int] | None) -> range | None:
+    """The blocks this process's pipeline stage runs (real processes), or ``None``: every block (simulated)."""
+    if dist.get_backend() == "fake" or mesh.axis_size("pp") == 1:
+        return None
+    return split(recipes, mesh.axis_size("pp"), sizes=stage_sizes).ranges[mesh.device_mesh.get_local_rank("pp")]
+
+
+def _is_mine(path: Any, mine: range | None) -> bool:
+    if mine is None or getattr(path[0], "key", None) != "blocks":
+        return True
+    return path[1].idx in mine
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype, mesh: Mesh, placements: Sequence[Any]) -> DTensor:
+    """A DTensor of ``shape`` laid out by ``placements`` whose local block is on the meta device: it holds no memory."""
+    dm = mesh.device_mesh
+    local = compute_local_shape_and_global_offset(torch.Size(shape), dm, placements)[0]
+    return DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), dm, placements, run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
 def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
     if isinstance(recipe, torch.Tensor):  # materialized by the init function itself (e.g. an nn.Module's weights)
         full = recipe.detach()
@@ -97,7 +121,8 @@ def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
 
 
 def init(
-    init_fn: Callable[[Any, Any], Any], key: torch.Tensor, cfg: Any, *, axes: Any, layout: Any, mesh: Mesh
+    init_fn: Callable[[Any, Any], Any], key: torch.Tensor, cfg: Any, *, axes: Any, layout: Any, mesh: Mesh,
+    stage_sizes: list[int] | None = None,
 ) -> Any:
     """Initialize parameters directly in their sharded storage layout.
 
@@ -112,6 +137,10 @@ def init(
         axes: a tree like the params, each leaf a tuple of logical names.
         layout: a ``Layout`` or preset string; its ``params`` role decides storage.
         mesh: the mesh.
+        stage_sizes: with ``pp``: blocks per stage, as given to ``train_step`` (default: balanced by
+            parameter count). On real processes each rank then materializes only its own stage's blocks
+            (``params["blocks"][i]``); the others are placeholders (meta-device DTensors of the right
+            shape and layout, holding no memory). Simulated ranks materialize every block.
 
     Returns:
         The params tree with DTensor leaves.
@@ -122,6 +151,7 @@ def init(
     """
     layout = layouts.get(layout)
     layouts.validate(layout, mesh)
+    full_mesh = mesh
     if "pp" in (layout.name or "").split("+"):  # pipeline stages: params live on the stage mesh
         mesh = mesh.without("pp")
     mesh.device_mesh  # noqa: B018  (no process group: shardlab's error saying what to do, before torch's)
@@ -130,7 +160,10 @@ def init(
     with maybe_disable_local_tensor_mode(), deferred.deferred():
         recipes = init_fn(unwrap(key), cfg)
     specs = param_specs(axes, recipes, layout, mesh)
-    params = tree.map_with_path(lambda path, r, s: _place(r, s, mesh, path), recipes, specs)
+    mine = _own_blocks(recipes, full_mesh, stage_sizes) if mesh is not full_mesh else None
+    params = tree.map_with_path(lambda path, r, s: _place(r, s, mesh, path) if _is_mine(path, mine)
+                                else placeholder(r.shape, r.dtype, mesh, lower.to_placements(s, mesh, len(r.shape))),
+                                recipes, specs)
     # Remembered so train_step can plan every role without being handed the axes again.
     for p, names in zip(tree.leaves(params), tree.leaves(axes, is_leaf=is_names)):
         p._logical_names = tuple(names)

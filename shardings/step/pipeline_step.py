@@ -12,12 +12,12 @@ the loss is the global token mean, and clipping sees every stage's gradients.
 On simulated ranks every stage runs in this process (the stage mesh's DTensors then hold the same
 values on the ranks of every stage). On real processes each rank runs its own stage's actions and
 carries travel as local blocks over the ``pp`` group (laid out on arrival by the model's
-``Stages.carry_names``). Every rank still holds every stage's parameters (``shardings.init`` makes
-them all); it computes, reduces and clips the gradients of its own blocks, and the gradients of the
-parameters outside the blocks (embedding, final norm, head: used by the first and the last stage) are
+``Stages.carry_names``). A rank holds only its own stage's blocks: ``shardings.init`` makes the other
+blocks placeholders (meta-device DTensors), and gradients, optimizer state and the update cover the
+rank's own leaves (:mod:`shardings.step.stage_state`). The parameters outside the blocks (embedding,
+final norm, head: used by the first and the last stage) are held by every rank and their gradients
 summed over ``pp``. The global norm for clipping adds each stage's part once (a scalar all-reduce over
-``pp``). Blocks of other stages are not kept in sync (their gradients are zero here):
-:meth:`PipelineStep.gather_stages` fetches each block from the rank that owns it.
+``pp``). :meth:`PipelineStep.gather_stages` fetches each block from the rank that owns it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import core
 from core import tree
-from shardings.comm import buckets
+from shardings.comm import accounting, buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Schedule, Stages, build, run, split
 from shardings.spec import layouts, lower
@@ -38,6 +38,8 @@ from shardings.spec.context import use
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh
 from shardings.spec.rules import logical_to_spec
+from shardings.step import stage_state
+from shardings.step.initialize import placeholder
 from shardings.step.train_step import TrainStep
 
 __all__ = ["PIPELINE_PRESETS", "PipelineStep", "has_pp"]
@@ -84,12 +86,30 @@ class PipelineStep(TrainStep):
 
     def init(self, params: Any) -> Any:
         self.split(params)  # fewer blocks than stages, or bad stage_sizes: an error before any work
+        leaves = tree.leaves(params)
+        missing = [i for i in self._own(params) if stage_state.is_placeholder(leaves[i])]
+        if missing:
+            path = tree.keystr(tree.leaves_with_path(params)[missing[0]][0])
+            raise sharding_error(f"this rank's stage runs {path}, but shardings.init left it a placeholder (another "
+                                 "stage's block): init and train_step split the blocks differently",
+                                 fix="pass the same stage_sizes to shardings.init and train_step", mesh=self.full_mesh)
         return super().init(params)
+
+    def _own(self, params: Any) -> list[int]:
+        """Indices of the leaves this rank holds and updates: all on simulated ranks; on real ones its blocks and
+        the parameters outside the blocks."""
+        if not self.real:
+            return list(range(len(tree.leaves(params))))
+        rank = self.full_mesh.device_mesh.get_local_rank("pp")
+        return [i for i, owner in enumerate(self._owners(params)) if owner is None or owner == rank]
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """:meth:`TrainStep.__call__`'s metrics and ``pipeline``: the schedule, its planned bubble (unit-time
         F and B) and each rank's most bytes of activations saved for backward at once."""
         params, opt_state, metrics = super().__call__(params, opt_state, batch)
+        if self.real:  # what this rank holds: its own stage (placeholders are meta tensors: shapes, no memory)
+            held = lambda t: accounting.memory([x for x in tree.leaves(t) if not stage_state.is_placeholder(x)])
+            metrics["memory"].update(params=held(params), opt_state=held(opt_state))
         metrics["pipeline"] = {"schedule": self.schedule.name, "microbatches": self.schedule.microbatches,
                                "bubble_planned": self.schedule.bubble(), "saved_peak": list(self.last.saved_peak)}
         return params, opt_state, metrics
@@ -122,7 +142,12 @@ class PipelineStep(TrainStep):
         result = run(self.schedule, self._in_stage(self.stages), self.split(params), compute, mbs, weights,
                      mesh=self.full_mesh if self.real else None, carry_layout=carry)
         self.last = result
-        reduced = buckets.reduce(tree.leaves(result.grads), plan.placements["opt_state"], self.bucket_mb)
+        grads, opt_pl, own = tree.leaves(result.grads), plan.placements["opt_state"], self._own(params)
+        reduced = list(grads)
+        for i, g in zip(own, buckets.reduce([grads[i] for i in own], [opt_pl[i] for i in own], self.bucket_mb)):
+            reduced[i] = g
+        for i in sorted(set(range(len(grads))) - set(own)):  # another stage's block: a placeholder, stored like its
+            reduced[i] = placeholder(grads[i].shape, grads[i].dtype, self.mesh, opt_pl[i])  # optimizer state
         if self.real:  # the first and the last stage each hold part of the edge parameters' gradients (reduced
             group = self.full_mesh.device_mesh.get_group("pp")  # within each stage first: one layout on every rank)
             for g, owner in zip(reduced, self._owners(params)):
@@ -131,14 +156,24 @@ class PipelineStep(TrainStep):
         return result.loss, tree.unflatten(plan.treedef, reduced), total
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-        """:meth:`TrainStep.apply`; on real ranks the clip's global norm first adds up every stage's part."""
-        if self.real and self._clip is not None:
-            grads = self._clip_across_stages(params, grads)  # the clip inside apply then scales by exactly 1
-        return super().apply(params, opt_state, grads)
+        """:meth:`TrainStep.apply`; on real ranks the clip's global norm adds up every stage's part, and only
+        this rank's own leaves are updated (:mod:`shardings.step.stage_state`)."""
+        if not self.real:
+            return super().apply(params, opt_state, grads)
+        plan = self.plan(params)
+        with torch.no_grad():
+            if self._clip is not None:
+                grads = self._clip_across_stages(params, grads)
+            inner = opt_state[1] if self._clip is not None else opt_state
+            new, inner = stage_state.update(self._inner, plan.treedef, tree.leaves(params), tree.leaves(grads), inner,
+                                            self._own(params), plan.placements["opt_state"],
+                                            plan.placements["params"], self.donate)
+        state = (opt_state[0], inner) if self._clip is not None else inner
+        return tree.unflatten(plan.treedef, new), state
 
     def _clip_across_stages(self, params: Any, grads: Any) -> Any:
         factor = (self._max_norm / (self._norm_across_stages(grads) + 1e-6)).clamp(max=1.0)
-        return tree.map(lambda g: g * factor.to(g.dtype), grads)
+        return tree.map(lambda g: g if stage_state.is_placeholder(g) else g * factor.to(g.dtype), grads)
 
     def _grad_norm(self, grads: Any) -> torch.Tensor:
         return self._norm_across_stages(grads) if self.real else super()._grad_norm(grads)
@@ -154,16 +189,20 @@ class PipelineStep(TrainStep):
         return sq.sqrt()
 
     def gather_stages(self, params: Any) -> Any:
-        """Every block as its owner holds it (a broadcast over ``pp`` per leaf); the identity on simulated ranks."""
+        """Every block as its owner holds it (a broadcast over ``pp`` per leaf; a placeholder becomes a real tensor
+        first); the identity on simulated ranks."""
         if not self.real:
             return params
         dm = self.full_mesh.device_mesh
-        group, leaves = dm.get_group("pp"), tree.leaves(params)
+        group, leaves, device = dm.get_group("pp"), tree.leaves(params), self.mesh.device_mesh.device_type
+        out = []
         for x, owner in zip(leaves, self._owners(params)):
             if owner is not None:
+                x = stage_state.materialize(x, torch.device(device)) if stage_state.is_placeholder(x) else x
                 local = x.to_local() if isinstance(x, DTensor) else x
                 dist.broadcast(local, src=dist.get_global_rank(group, owner), group=group)
-        return params
+            out.append(x)
+        return tree.unflatten(tree.structure(params), out)
 
     def _carry_placements(self, carry: Any) -> list[Any]:
         names = tree.leaves(self.stages.carry_names(carry), is_leaf=lambda n: isinstance(n, tuple))

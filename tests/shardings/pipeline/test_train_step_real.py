@@ -1,12 +1,15 @@
 """train_step with pp on real gloo processes: each rank runs its own stage; equal to one device (loss, grads and
 params after AdamW steps with accumulation and clipping; each block read from the rank that owns it)."""
 
+import tempfile
+
 import pytest
 
 import core
 import models
 import shardings
 from shardings import Mesh
+from shardings.step import stage_state
 from shardings.testing import check_equivalence
 
 # 5 blocks on 4 stages; a tied embedding: its gradient is summed from the first and the last rank
@@ -41,3 +44,34 @@ def test_the_grad_norm_metric_adds_every_stage_once():
                                                                      batch, FIVE)))
     for (norm,) in shardings.launch(_grad_norms, 4, FIVE, batch):
         assert norm == pytest.approx(want, rel=1e-5)
+
+
+def _held(cfg, batch) -> dict:
+    mesh = Mesh(pp=4)
+    params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg), layout="pp",
+                            mesh=mesh)
+    step = shardings.train_step(models.gpt.stages(cfg), core.optim.adamw(1e-3), layout="pp", mesh=mesh,
+                                microbatches=4)
+    state = step.init(params)
+    params, state, metrics = step(params, state, batch)
+    held = [path for path, x in core.tree.leaves_with_path(params) if not stage_state.is_placeholder(x)]
+    try:
+        shardings.checkpoint.save(tempfile.mkdtemp(), {"params": params}, step=1)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"refused": refused, "blocks": sorted({p[1].idx for p in held if getattr(p[0], "key", None) == "blocks"}),
+            "params": metrics["memory"]["params"], "opt_state": metrics["memory"]["opt_state"]}
+
+
+def test_each_rank_holds_only_its_own_stage():
+    cfg = models.gpt.Config(vocab=64, dim=32, layers=8, heads=4, kv_heads=2, seq_len=8, mlp=64)
+    params = models.gpt.init(core.random.key(0), cfg)
+    block = sum(x.numel() * 4 for x in core.tree.leaves(params["blocks"][0]))
+    edges = sum(x.numel() * 4 for k, v in params.items() if k != "blocks" for x in core.tree.leaves(v))
+    ranks = shardings.launch(_held, 4, cfg, models.gpt.example_batch(cfg, 8))
+    assert [r["blocks"] for r in ranks] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert "is a placeholder (another pipeline stage's block" in ranks[0]["refused"]  # not a crash in DCP
+    for r in ranks:  # two blocks and the edge parameters; AdamW's two moments of the same, plus its step count
+        assert r["params"] == 2 * block + edges
+        assert 2 * (2 * block + edges) <= r["opt_state"] <= 2 * (2 * block + edges) + 64
