@@ -130,7 +130,6 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         raise ConfigError(f"layout={cfg.layout.name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
     if pp:
         _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"))
-        _check_simulated(cfg.get("runtime"), layout)
     _check_checkpointing(cfg.get("checkpoint"))
     micro = _microbatches(pipe.get("microbatches"), accum, mesh.axis_size("pp")) if pp else accum
     dp = mesh.axis_size(batch.dim_axes()[0])
@@ -164,14 +163,6 @@ def _check_stages(blocks: int, pp: int) -> None:
         raise ConfigError(f"the model has {blocks} blocks (layers), too few for pp={pp} pipeline stages (each needs "
                           f"at least one). Fix: set model.config.layers to {pp} or more, or use a mesh with "
                           f"pp <= {blocks}.")
-
-
-def _check_simulated(runtime: Any, layout: Layout) -> None:
-    if runtime is not None and runtime.kind != "simulate":
-        # On real processes each rank keeps only its own stage's blocks current: the run's checkpoints (one copy
-        # of each block, from any rank) and its grad_norm metric do not handle that yet.
-        raise ConfigError(f"layout={layout.name} pipelines the model over pp, which this app runs on simulated ranks "
-                          f"only for now, not runtime={runtime.kind}. Fix: add runtime=simulate to the command line.")
 
 
 def _microbatches(microbatches: int | None, accum: int, pp: int) -> int:

@@ -194,12 +194,14 @@ def save(
     if root in _PENDING:
         _PENDING.pop(root).wait()
     tensors, values = _split(state)
-    for key, t in tensors.items():
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if local.device.type == "meta":
-            raise _error(f"{key} is a placeholder (another pipeline stage's block on this rank: pp on real processes "
-                         "holds only its own stage), so it cannot be saved",
-                         fix="save from simulated ranks, or wait for per-stage checkpoints (not implemented yet)")
+    described = {p: {"shape": list(t.shape), "dtype": _dtype_name(t)} for p, t in tensors.items()}
+    # pp on real processes: a rank holds its own stage's blocks, the others are placeholders. Each rank writes
+    # what it holds; the manifest lists every rank's tensors.
+    tensors = {p: t for p, t in tensors.items() if not _is_placeholder(t)}
+    if _distributed():
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, described)
+        described = {p: info for part in parts for p, info in part.items()}
     tmp = os.path.join(root, f"step_{step}.tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
@@ -209,7 +211,7 @@ def save(
         "format": _FORMAT,
         "step": step,
         "world_size": dist.get_world_size() if _distributed() else 1,
-        "tensors": {p: {"shape": list(t.shape), "dtype": _dtype_name(t)} for p, t in tensors.items()},
+        "tensors": described,
         "values": values,
     }
     kwargs = {"checkpoint_id": tmp, "no_dist": not _distributed()}
@@ -276,6 +278,11 @@ def _resolve(path: str) -> str:
             fix="pass a checkpoint folder or the root that save() wrote to; *.tmp folders are unfinished saves",
         )
     return found
+
+
+def _is_placeholder(x: torch.Tensor) -> bool:
+    """Another pipeline stage's block on this rank (``shardings.init`` under pp, real processes): no data."""
+    return (x.to_local() if isinstance(x, DTensor) else x).device.type == "meta"
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
@@ -382,7 +389,7 @@ def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, 
     tensors = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
     values = {p: x for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)}
     _check_like(saved, tensors, values, folder)
-    targets = {p: _empty_like(x) for p, x in tensors.items()}
+    targets = {p: _empty_like(x) for p, x in tensors.items() if not _is_placeholder(x)}  # a placeholder stays one
     with maybe_disable_local_tensor_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
@@ -391,5 +398,6 @@ def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, 
         except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
             raise _error(f"reading {folder} failed: {type(e).__name__}: {e}",
                          fix="restore the files, or load an earlier checkpoint") from e
-    out = [_place_like(targets[p], x) if p in tensors else saved["values"][p] for p, x in zip(paths, leaves)]
+    out = [(x if p not in targets else _place_like(targets[p], x)) if p in tensors else saved["values"][p]
+           for p, x in zip(paths, leaves)]
     return rebuild(out), saved["step"]

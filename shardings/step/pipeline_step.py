@@ -105,13 +105,16 @@ class PipelineStep(TrainStep):
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """:meth:`TrainStep.__call__`'s metrics and ``pipeline``: the schedule, its planned bubble (unit-time
-        F and B) and each rank's most bytes of activations saved for backward at once."""
+        F and B), each rank's most bytes of activations saved for backward at once, and on real processes
+        ``bubble``: each rank's measured idle fraction."""
         params, opt_state, metrics = super().__call__(params, opt_state, batch)
         if self.real:  # what this rank holds: its own stage (placeholders are meta tensors: shapes, no memory)
             held = lambda t: accounting.memory([x for x in tree.leaves(t) if not stage_state.is_placeholder(x)])
             metrics["memory"].update(params=held(params), opt_state=held(opt_state))
         metrics["pipeline"] = {"schedule": self.schedule.name, "microbatches": self.schedule.microbatches,
                                "bubble_planned": self.schedule.bubble(), "saved_peak": list(self.last.saved_peak)}
+        if self.real:  # measured from every rank's action timestamps: idle fraction per rank
+            metrics["pipeline"]["bubble"] = self.last.bubble()
         return params, opt_state, metrics
 
     @property

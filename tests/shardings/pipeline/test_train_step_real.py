@@ -1,8 +1,6 @@
 """train_step with pp on real gloo processes: each rank runs its own stage; equal to one device (loss, grads and
 params after AdamW steps with accumulation and clipping; each block read from the rank that owns it)."""
 
-import tempfile
-
 import pytest
 
 import core
@@ -55,12 +53,7 @@ def _held(cfg, batch) -> dict:
     state = step.init(params)
     params, state, metrics = step(params, state, batch)
     held = [path for path, x in core.tree.leaves_with_path(params) if not stage_state.is_placeholder(x)]
-    try:
-        shardings.checkpoint.save(tempfile.mkdtemp(), {"params": params}, step=1)
-        refused = ""
-    except ValueError as e:
-        refused = str(e)
-    return {"refused": refused, "blocks": sorted({p[1].idx for p in held if getattr(p[0], "key", None) == "blocks"}),
+    return {"blocks": sorted({p[1].idx for p in held if getattr(p[0], "key", None) == "blocks"}),
             "params": metrics["memory"]["params"], "opt_state": metrics["memory"]["opt_state"]}
 
 
@@ -71,7 +64,6 @@ def test_each_rank_holds_only_its_own_stage():
     edges = sum(x.numel() * 4 for k, v in params.items() if k != "blocks" for x in core.tree.leaves(v))
     ranks = shardings.launch(_held, 4, cfg, models.gpt.example_batch(cfg, 8))
     assert [r["blocks"] for r in ranks] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert "is a placeholder (another pipeline stage's block" in ranks[0]["refused"]  # not a crash in DCP
     for r in ranks:  # two blocks and the edge parameters; AdamW's two moments of the same, plus its step count
         assert r["params"] == 2 * block + edges
         assert 2 * (2 * block + edges) <= r["opt_state"] <= 2 * (2 * block + edges) + 64
