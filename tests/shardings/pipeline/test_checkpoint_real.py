@@ -14,7 +14,7 @@ CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, seq_len
 
 def _save_and_reload(root: str) -> dict:
     mesh = Mesh(pp=4)
-    make = lambda: shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG),  # noqa: E731
+    make = lambda: shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG),
                                   layout="pp", mesh=mesh)
     step = shardings.train_step(models.gpt.stages(CFG), core.optim.adamw(1e-2), layout="pp", mesh=mesh,
                                 microbatches=4)
