@@ -47,6 +47,7 @@ class Setup(NamedTuple):
     seq_len: int  # tokens per row of the data
     microbatches: int = 1  # per step: accum_steps, or with pp the pipeline's (pipeline.microbatches resolved)
     schedule: str | None = None  # with pp: the pipeline schedule (gpipe | 1f1b); None without pp
+    stage_sizes: list[int] | None = None  # with pp: blocks per stage (None: balanced by parameter count)
 
 
 def loss(setup: Setup) -> Callable[[Any, Any], Any]:
@@ -128,8 +129,9 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         acts = logical_to_spec(("batch", "seq", "embed"), layout.role("activations"), mesh)
     except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
         raise ConfigError(f"layout={cfg.layout.name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
+    sizes = list(pipe.get("stage_sizes") or []) or None
     if pp:
-        _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"))
+        _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"), sizes)
     _check_checkpointing(cfg.get("checkpoint"))
     micro = _microbatches(pipe.get("microbatches"), accum, mesh.axis_size("pp")) if pp else accum
     dp = mesh.axis_size(batch.dim_axes()[0])
@@ -138,7 +140,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
                f"{dp} data-parallel ranks × {accum} accumulation steps")
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
-    return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None)
+    return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None, sizes if pp else None)
 
 
 def _schedule(name: str) -> str:
@@ -158,11 +160,15 @@ def _check_pipeline(module: ModuleType, layout: Layout) -> None:
                          "Fix: use a model with stages (gpt, moe, mlp), or a layout without pp.")
 
 
-def _check_stages(blocks: int, pp: int) -> None:
+def _check_stages(blocks: int, pp: int, sizes: list[int] | None) -> None:
     if blocks < pp:
         raise ConfigError(f"the model has {blocks} blocks (layers), too few for pp={pp} pipeline stages (each needs "
                           f"at least one). Fix: set model.config.layers to {pp} or more, or use a mesh with "
                           f"pp <= {blocks}.")
+    if sizes is not None and (len(sizes) != pp or sum(sizes) != blocks or min(sizes) < 1):
+        raise ConfigError(f"pipeline.stage_sizes={sizes} must be {pp} positive counts adding up to the model's "
+                          f"{blocks} blocks. Fix: e.g. pipeline.stage_sizes=null (balanced), or give one count per "
+                          "stage.")
 
 
 def _microbatches(microbatches: int | None, accum: int, pp: int) -> int:

@@ -11,9 +11,10 @@ Groups (pick one member each on the command line, ``group=member``):
   bytes), ``random`` (uniform bytes: nothing to learn, for throughput). ``runtime``: ``simulate``,
   ``multiprocess``, ``torchrun``.
 
-A layout with ``pp`` (``layout=dp+pp mesh=dp2_pp2 runtime=simulate``) pipelines the model's blocks over
+A layout with ``pp`` (``layout=dp+pp mesh=dp2_pp2``) pipelines the model's blocks over
 the mesh axis ``pp``; the ``pipeline`` node (not a group: set its fields) picks the schedule and the
-microbatches (``pipeline.schedule=gpipe pipeline.microbatches=4``).
+microbatches (``pipeline.schedule=gpipe pipeline.microbatches=4``) and, optionally, the blocks per stage
+(``pipeline.stage_sizes=[3,1]``).
 
 The primary configs are ``train`` (``python -m experiments.train``) and ``equivalence``
 (``python -m experiments.equivalence``).
@@ -125,6 +126,7 @@ class PipelineConf:
 
     schedule: str = "1f1b"  # gpipe | 1f1b: same bubble, 1f1b holds fewer microbatches' activations at once
     microbatches: int | None = None  # null -> accum_steps when > 1, else the pp size (train_step's default)
+    stage_sizes: list[int] | None = None  # blocks per stage, e.g. [3, 1]; null -> balanced by parameter count
 
 
 # `_self_` first: the group members override the dataclass fields' placeholder defaults.
@@ -200,7 +202,7 @@ MESHES: dict[str, dict[str, int]] = {
     "dp2_fsdp2_tp2": {"dp": 2, "fsdp": 2, "tp": 2},
     "dp2_cp2": {"dp": 2, "cp": 2},  # context parallelism (layout=dp+cp)
     "dp2_ep2": {"dp": 2, "ep": 2},  # expert parallelism (model=moe_tiny layout=dp+ep)
-    "pp2": {"pp": 2},  # pipeline parallelism (layout=pp runtime=simulate)
+    "pp2": {"pp": 2},  # pipeline parallelism (layout=pp)
     "pp4": {"pp": 4},  # 4 stages: needs a model with >= 4 layers (gpt_small)
     "dp2_pp2": {"dp": 2, "pp": 2},  # layout=dp+pp (or zero1+pp, zero2+pp)
     "dp2_pp2_tp2": {"dp": 2, "pp": 2, "tp": 2},  # layout=tp+sp+pp: data, stages, tensors

@@ -9,16 +9,16 @@ With no arguments: ``gpt_tiny`` on the standard library's source bytes, layout `
 
 Each run's directory (Hydra's) gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
 step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position; with ``pp``
-also ``pipeline``: schedule, microbatches, planned bubble, saved-activation peaks per rank),
+also ``pipeline``: schedule, microbatches, planned bubble, saved-activation peaks per rank, and on real
+processes the measured bubble per rank),
 ``summary.json``, ``layout.json`` (``shardings.describe_layout``: every parameter group's spec per
 role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
 experiments.report <multirun dir>`` compares the runs of a sweep.
 
-A layout with ``pp`` pipelines the model's blocks (its ``stages``) over the mesh axis ``pp``, on
-simulated ranks for now::
+A layout with ``pp`` pipelines the model's blocks (its ``stages``) over the mesh axis ``pp`` (each real
+process holds and runs only its own stage; ``pipeline.stage_sizes=[3,1]`` overrides the balanced split)::
 
-    python -m experiments.train layout=dp+pp mesh=dp2_pp2 runtime=simulate pipeline.schedule=gpipe \
-        pipeline.microbatches=4
+    python -m experiments.train layout=dp+pp mesh=dp2_pp2 pipeline.schedule=gpipe pipeline.microbatches=4
 
 A sweep keeps going past an impossible combination (``zero3+tp+sp`` on ``mesh=dp4``): that job is
 skipped with one line, and its ``status.json`` says ``skipped`` and why. A job that fails while
@@ -135,10 +135,11 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     m, mcfg = setup.model, setup.model_cfg
     axes = m.axes(mcfg)
     key = core.random.key(cfg.seed)
-    params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh)
+    params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh,
+                          stage_sizes=setup.stage_sizes)
     step = train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh, axes=axes,
                       microbatches=setup.microbatches, schedule=setup.schedule or "1f1b", clip_norm=cfg.optim.clip_norm,
-                      donate=True)  # the loop never reads a step's inputs again
+                      stage_sizes=setup.stage_sizes, donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):

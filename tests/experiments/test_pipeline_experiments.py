@@ -99,3 +99,11 @@ def test_equivalence_app_checks_a_pp_layout(capsys):
     assert "under 'dp+pp' on Mesh(dp=2, pp=2), gpipe over 2 microbatches, 2 steps" in out and "OK:" in out
     assert equivalence([*TINY, "layout=dp+pp", "mesh=dp2_pp2", "model.config.layers=1"]) == 2
     assert "too few for pp=2" in capsys.readouterr().err
+
+
+def test_stage_sizes_reach_the_step_and_are_checked():
+    setup = build(train(*PP, "model.config.layers=3", "pipeline.stage_sizes=[2,1]"))
+    assert setup.stage_sizes == [2, 1]
+    with pytest.raises(ConfigError, match=r"pipeline.stage_sizes=\[3, 1\] must be 2 positive counts adding up to the "
+                                          r"model's 3 blocks.*Fix:"):
+        build(train(*PP, "model.config.layers=3", "pipeline.stage_sizes=[3,1]"))
