@@ -34,11 +34,14 @@ The on-disk layer (manifest, file hashes and checks, the safe metadata reader) i
 :mod:`shardings.checkpoint.files`.
 
 May import: every other subpackage but ``testing``.
+
+The on-disk side (manifest, hashes, the safe metadata reader) is in :mod:`shardings.checkpoint.files`;
+how tensors become what DCP writes and reads (whole on simulated ranks, shards on real ones, a pipeline
+stage's placeholders skipped) in :mod:`shardings.checkpoint.tensors`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -50,7 +53,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import tree
 from shardings.checkpoint.files import (
@@ -70,8 +72,8 @@ from shardings.checkpoint.files import (
     _write_manifest,
 )
 from shardings.checkpoint.files import _MetadataUnpickler as _MetadataUnpickler  # re-exported: tests use it here
-from shardings.runtime.compat import LocalTensor, maybe_disable_local_tensor_mode
-from shardings.runtime.simulate import simulated_world_size, unwrap
+from shardings.checkpoint.tensors import empty_like, is_placeholder, place_like, split_state
+from shardings.runtime.compat import maybe_disable_local_tensor_mode
 
 __all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "latest", "load", "resume", "save"]
 
@@ -106,40 +108,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
-
-
-def _whole(path: str, x: torch.Tensor) -> torch.Tensor:
-    """A simulated tensor as one plain tensor (DTensors gathered; ranks must agree on the rest)."""
-    if isinstance(x, DTensor):
-        x = x.full_tensor()
-    try:
-        return unwrap(x.detach())
-    except ValueError as e:
-        raise _error(
-            f"the simulated ranks hold different values in this plain (non-DTensor) tensor ({e})",
-            fix="keep rank-dependent values in DTensors, or save them per rank yourself",
-            path=path,
-        ) from None
-
-
-def _split(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``({path: tensor}, {path: JSON value})`` for the leaves of ``state``."""
-    tensors, values = {}, {}
-    for key_path, leaf in tree.leaves_with_path(state):
-        path = tree.keystr(key_path)
-        if isinstance(leaf, torch.Tensor):
-            tensors[path] = _whole(path, leaf) if simulated_world_size() else leaf.detach()
-            continue
-        try:
-            json.dumps(leaf, allow_nan=True)
-        except TypeError:
-            raise _error(
-                f"a leaf of type {type(leaf).__name__} is neither a tensor nor a JSON value",
-                fix="store configs as dicts of plain values (dataclasses.asdict(cfg)) and other state as tensors",
-                path=path,
-            ) from None
-        values[path] = leaf
-    return tensors, values
 
 
 class PendingSave:
@@ -193,11 +161,11 @@ def save(
         raise _error(f"keep must be a positive int or None, got {keep!r}", fix="pass e.g. keep=3")
     if root in _PENDING:
         _PENDING.pop(root).wait()
-    tensors, values = _split(state)
+    tensors, values = split_state(state)
     described = {p: {"shape": list(t.shape), "dtype": _dtype_name(t)} for p, t in tensors.items()}
     # pp on real processes: a rank holds its own stage's blocks, the others are placeholders. Each rank writes
     # what it holds; the manifest lists every rank's tensors.
-    tensors = {p: t for p, t in tensors.items() if not _is_placeholder(t)}
+    tensors = {p: t for p, t in tensors.items() if not is_placeholder(t)}
     if _distributed():
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, described)
@@ -278,29 +246,6 @@ def _resolve(path: str) -> str:
             fix="pass a checkpoint folder or the root that save() wrote to; *.tmp folders are unfinished saves",
         )
     return found
-
-
-def _is_placeholder(x: torch.Tensor) -> bool:
-    """Another pipeline stage's block on this rank (``shardings.init`` under pp, real processes): no data."""
-    return (x.to_local() if isinstance(x, DTensor) else x).device.type == "meta"
-
-
-def _empty_like(x: torch.Tensor) -> torch.Tensor:
-    if isinstance(x, DTensor) and not simulated_world_size():
-        return torch.empty_like(x)
-    with maybe_disable_local_tensor_mode():
-        return torch.empty(x.shape, dtype=x.dtype)
-
-
-def _place_like(loaded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A whole tensor read in a simulated run, put back into ``like``'s layout."""
-    n = simulated_world_size()
-    if not n:
-        return loaded
-    local = LocalTensor({r: loaded for r in range(n)})
-    if isinstance(like, DTensor):
-        return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
-    return local
 
 
 def load(path: str | os.PathLike, like: Any = None) -> tuple[Any, int]:
@@ -389,7 +334,7 @@ def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, 
     tensors = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
     values = {p: x for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)}
     _check_like(saved, tensors, values, folder)
-    targets = {p: _empty_like(x) for p, x in tensors.items() if not _is_placeholder(x)}  # a placeholder stays one
+    targets = {p: empty_like(x) for p, x in tensors.items() if not is_placeholder(x)}  # a placeholder stays one
     with maybe_disable_local_tensor_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
@@ -398,6 +343,6 @@ def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, 
         except (Exception, CheckpointException) as e:  # DCP's exception derives from BaseException
             raise _error(f"reading {folder} failed: {type(e).__name__}: {e}",
                          fix="restore the files, or load an earlier checkpoint") from e
-    out = [(x if p not in targets else _place_like(targets[p], x)) if p in tensors else saved["values"][p]
+    out = [(x if p not in targets else place_like(targets[p], x)) if p in tensors else saved["values"][p]
            for p, x in zip(paths, leaves)]
     return rebuild(out), saved["step"]

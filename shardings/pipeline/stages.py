@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Split", "Stages", "split"]
+__all__ = ["Split", "Stages", "block_index", "split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,11 @@ class Split:
         rows = [f"stage {s}: blocks {r.start}..{r.stop - 1} ({len(r)}), cost {c:,.0f}"
                 for s, (r, c) in enumerate(zip(self.ranges, self.costs))]
         return "\n".join(rows)
+
+
+def block_index(path: Any, blocks: str = "blocks") -> int | None:
+    """The ``i`` of a leaf under ``params[blocks][i]`` (a pytree key path), or ``None`` for the rest."""
+    return path[1].idx if len(path) > 1 and getattr(path[0], "key", None) == blocks else None
 
 
 def _numel(tree: Any) -> int:

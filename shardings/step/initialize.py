@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core import deferred, tree
-from shardings.pipeline.stages import split
+from shardings.pipeline.stages import block_index, split
 from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.simulate import unwrap
 from shardings.spec import layouts, lower
@@ -87,9 +87,8 @@ def _own_blocks(recipes: Any, mesh: Mesh, stage_sizes: list[int] | None) -> rang
 
 
 def _is_mine(path: Any, mine: range | None) -> bool:
-    if mine is None or getattr(path[0], "key", None) != "blocks":
-        return True
-    return path[1].idx in mine
+    block = block_index(path)
+    return mine is None or block is None or block in mine
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype, mesh: Mesh, placements: Sequence[Any]) -> DTensor:

@@ -33,6 +33,7 @@ from core import tree
 from shardings.comm import accounting, buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Schedule, Stages, build, run, split
+from shardings.pipeline.stages import block_index
 from shardings.spec import layouts, lower
 from shardings.spec.context import use
 from shardings.spec.errors import sharding_error
@@ -127,11 +128,8 @@ class PipelineStep(TrainStep):
 
         ``params`` may be any tree shaped like the params (their gradients)."""
         where = self.split(params)
-        owners = []
-        for path, _ in tree.leaves_with_path(params):
-            key = getattr(path[0], "key", None)
-            owners.append(where.stage_of(path[1].idx) if key == self.stages.blocks else None)
-        return owners
+        blocks = [block_index(path, self.stages.blocks) for path, _ in tree.leaves_with_path(params)]
+        return [None if b is None else where.stage_of(b) for b in blocks]
 
     def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
         """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state."""
