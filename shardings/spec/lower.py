@@ -195,9 +195,16 @@ def mesh_of(x: DTensor) -> Mesh:
 def coords_of_rank(rank: int, mesh: Mesh) -> dict[str, int]:
     """A global rank's coordinates on ``mesh`` (row-major, as ``Mesh.device_mesh`` lays ranks out).
 
+    A stage mesh (``Mesh.without("pp")``) is a slice of its parent: the rank's coordinates on the parent,
+    less the sliced axis (``Mesh(dp=2, pp=2).without("pp")``: global rank 2 has ``dp=1``).
+
     >>> coords_of_rank(1, Mesh(dp=2, tp=2))
     {'dp': 0, 'tp': 1}
     """
+    parent = getattr(mesh, "_parent", None)
+    if parent is not None:
+        on_parent = coords_of_rank(rank, parent)
+        return {name: on_parent.get(name, 0) for name in mesh.axis_names}
     c: dict[str, int] = {}
     for name, size in reversed(mesh.shape.items()):
         rank, c[name] = divmod(rank, size)
@@ -206,7 +213,7 @@ def coords_of_rank(rank: int, mesh: Mesh) -> dict[str, int]:
 
 def rank_coords(mesh: Mesh) -> list[dict[str, int]]:
     """Every rank's coordinates on ``mesh``, indexed by global rank (see :func:`coords_of_rank`)."""
-    return [coords_of_rank(rank, mesh) for rank in range(mesh.size)]
+    return [coords_of_rank(rank, mesh) for rank in range(getattr(mesh, "_parent", mesh).size)]
 
 
 def _chunk(start: int, stop: int, n_chunks: int, index: int) -> tuple[int, int]:

@@ -157,3 +157,10 @@ def test_strided_blocks_match_dtensor(sizes, spec, shape):
         shards = per_rank(shard(x, spec, mesh))
     for coords, local in zip(rank_coords(mesh), shards):
         assert torch.equal(local, x[local_block(shape, spec, mesh, coords)])
+
+
+def test_rank_coords_on_a_stage_mesh_are_the_parents_less_the_sliced_axis():
+    stage = Mesh(dp=2, pp=2, tp=2).without("pp")  # global rank = dp·4 + pp·2 + tp
+    assert rank_coords(stage)[6] == {"dp": 1, "tp": 0}
+    assert len(rank_coords(stage)) == 8
+    assert rank_coords(Mesh(pp=2).without("pp"))[1] == {"dp": 0}
