@@ -2,8 +2,9 @@
 
 ``"layers" → "pp"`` (preset ``pp``) puts a model's blocks on the mesh axis ``pp``. Each stage runs on
 the mesh of the other axes as this rank sees it (``mesh.without("pp")``: the slice holding it), with
-the rest of the layout (``dp``, ``zero1``, ``zero2``, ``tp``, ``sp``) applied there as usual: params,
-batch and activations are DTensors on the stage mesh. The batch is split into ``microbatches`` (each
+the rest of the layout (any of ``PIPELINE_PRESETS``: the data presets ``dp``/``zero1``/``zero2``/``zero3``/
+``hsdp``, ``tp``, ``sp``, ``cp``/``cp_allgather``, ``ep``) applied there as usual: params, batch and
+activations are DTensors on the stage mesh. The batch is split into ``microbatches`` (each
 data-parallel rank splits its own rows), the schedule (``gpipe``, ``1f1b`` or a checked
 :class:`~shardings.pipeline.Schedule`) runs them through the stages (:func:`shardings.pipeline.run`),
 gradients accumulate over microbatches and are reduced once per step over the data axes (``no_sync``),
@@ -18,6 +19,21 @@ rank's own leaves (:mod:`shardings.step.stage_state`). The parameters outside th
 final norm, head: used by the first and the last stage) are held by every rank and their gradients
 summed over ``pp``. The global norm for clipping adds each stage's part once (a scalar all-reduce over
 ``pp``). :meth:`PipelineStep.gather_stages` fetches each block from the rank that owns it.
+
+**ZeRO-3 (and HSDP) inside a stage: gathered once per step.** Before the schedule runs, a rank gathers
+its stage's weights into their compute layout (one all-gather per bucket, never mixing two blocks:
+:func:`~shardings.residency.gather_buckets.gather`), and every microbatch's forward and backward use
+them; gradients accumulate unreduced over the microbatches and are reduce-scattered once at the end.
+So a step has as many all-gathers (and reduce-scatters) whatever the microbatch count ``m``, each moving
+``(N−1)/N`` of the stage's weights: ZeRO-2's volume. Gathering per microbatch instead (FSDP's per-block
+gather, re-gathered in backward) would keep one block gathered at a time but cost ``2m`` all-gathers per
+block per step, and under 1F1B a stage alternates forwards and backwards of different microbatches in its
+steady state, so its blocks are needed almost all the step anyway (torchtitan turns FSDP's reshard after
+forward off under pp for the same reason). The price is memory during the step: the stage's whole
+weights in their compute layout (``4·P_s/t`` bytes in fp32 for ``P_s`` stage parameters under ``tp=t``,
+instead of one block's) from the first forward to the last backward, next to the unreduced gradients
+(``4·P_s/t``, as every data preset under pp holds them: ``no_sync``). Between steps a rank keeps ZeRO-3's
+``16·P_s/N``; the in-step peak is ZeRO-2's.
 """
 
 from __future__ import annotations
@@ -34,10 +50,12 @@ from shardings.comm import accounting, buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Schedule, Stages, build, run, split
 from shardings.pipeline.stages import block_index
+from shardings.residency import gather_buckets
 from shardings.spec import layouts, lower
 from shardings.spec.context import use
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh
+from shardings.spec.placeholder import resolve
 from shardings.spec.rules import logical_to_spec
 from shardings.step import stage_state
 from shardings.step.initialize import placeholder
@@ -45,7 +63,7 @@ from shardings.step.train_step import TrainStep
 
 __all__ = ["PIPELINE_PRESETS", "PipelineStep", "has_pp"]
 
-PIPELINE_PRESETS = frozenset({"pp", "dp", "zero1", "zero2", "tp", "sp"})  # what composes with pp today
+PIPELINE_PRESETS = frozenset({"pp", "dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "cp_allgather", "ep"})
 
 
 def has_pp(layout: Any) -> bool:
@@ -138,7 +156,7 @@ class PipelineStep(TrainStep):
         mbs = self._microbatches(batch)
         total = self.token_count(batch)
         weights = [self.token_count(mb) / total for mb in mbs]
-        compute = tree.unflatten(plan.treedef, self._to("compute", tree.leaves(params)))
+        compute = tree.unflatten(plan.treedef, self._gather_once(params))
         carry = (self.stages, self._carry_placements, self.mesh.device_mesh) if self.real else None
         result = run(self.schedule, self._in_stage(self.stages), self.split(params), compute, mbs, weights,
                      mesh=self.full_mesh if self.real else None, carry_layout=carry)
@@ -155,6 +173,22 @@ class PipelineStep(TrainStep):
                 if owner is None:
                     _all_reduce_in_place(g.to_local() if isinstance(g, DTensor) else g, group)
         return result.loss, tree.unflatten(plan.treedef, reduced), total
+
+    def _gather_once(self, params: Any) -> list[Any]:
+        """This rank's parameters in their compute layout for the whole step: ZeRO-3's gathers (one all-gather
+        per bucket, :func:`~shardings.residency.gather_buckets.gather`) run once before the schedule, not per
+        microbatch (module docstring); another stage's block stays a placeholder (real ranks)."""
+        plan, leaves, own = self.plan(params), tree.leaves(params), self._own(params)
+        pl = plan.placements["compute"]
+        with torch.no_grad():
+            gathered, gathers = gather_buckets.gather([leaves[i] for i in own], [pl[i] for i in own],
+                                                      self.bucket_mb, [plan.units[i] for i in own])
+            gathered = [resolve(x) for x in gathered]
+            gathers.close()
+        out = [placeholder(x.shape, x.dtype, self.mesh, pl[i]) for i, x in enumerate(leaves)]
+        for i, x in zip(own, gathered):
+            out[i] = x
+        return out
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         """:meth:`TrainStep.apply`; on real ranks the clip's global norm adds up every stage's part, and only

@@ -46,7 +46,6 @@ IMPOSSIBLE = [
     (["pipeline.schedule=interleaved"], r"pipeline.schedule='interleaved' is unknown.*\['1f1b', 'gpipe'\]"),
     (["pipeline.microbatches=0"], r"pipeline.microbatches=0 is not a positive int"),
     (["accum_steps=2", "pipeline.microbatches=4"], r"accum_steps=2 and pipeline.microbatches=4 both set"),
-    (["layout=zero3+pp"], r"pp does not compose with \['zero3'\] yet.*e.g. layout=dp\+pp"),
     (["model=mlp", "model.name=tests.experiments.rank_skew"], r"rank_skew declares no pipeline stages"),
 ]
 
