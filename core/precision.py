@@ -4,17 +4,24 @@
 the forward/backward runs in; ``reduce_dtype`` is what gradients are communicated and
 accumulated in. Only floating-point leaves are ever cast: integer/bool tensors (token ids,
 step counters) and non-tensor leaves pass through untouched.
+
+fp16's range is narrow (gradients underflow below 6e-8), so a policy computing in float16 scales
+the loss by default (:class:`DynamicLossScale`, as DeepSpeed's ``loss_scale: 0`` and torch's
+``GradScaler``): the loss is multiplied by the scale before backward, gradients are divided by it
+before clipping, a step whose gradients hold an inf or NaN on any rank is skipped (params and
+optimizer state unchanged) and halves the scale, and ``growth_interval`` clean steps in a row double it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import torch
 
 from core import tree
 
-__all__ = ["Policy"]
+__all__ = ["DynamicLossScale", "LossScaleState", "Policy"]
 
 PyTree = tree.PyTree
 
@@ -40,6 +47,71 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class LossScaleState(NamedTuple):
+    """A dynamic loss scale's state, carried in the train step's optimizer state (a pytree of 0-d tensors).
+
+    Attributes:
+        scale: the factor the loss is multiplied by (float32).
+        good_steps: clean steps since the scale last changed (int64).
+        skipped: steps skipped so far because a gradient was not finite (int64).
+    """
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+    skipped: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic loss scaling: halve on a non-finite gradient (and skip the step), double after clean steps.
+
+    Attributes:
+        initial: the first scale (2**16, DeepSpeed's ``initial_scale_power: 16`` and torch's default).
+        growth_interval: clean steps in a row before the scale doubles (2000, as torch's ``GradScaler``).
+        factor: what the scale is multiplied by on growth and divided by on a skip.
+        min_scale: the scale never goes below this.
+
+    >>> s = DynamicLossScale(initial=8.0, growth_interval=2)
+    >>> [float(st.scale) for st in _walk(s, [True, True, False, True])]
+    [8.0, 8.0, 16.0, 8.0]
+    """
+
+    initial: float = 2.0**16
+    growth_interval: int = 2000
+    factor: float = 2.0
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.initial >= self.min_scale > 0 and self.factor > 1 and self.growth_interval >= 1):
+            raise ValueError(
+                f"DynamicLossScale{dataclasses.astuple(self)}: need initial >= min_scale > 0, factor > 1 and "
+                "growth_interval >= 1. Fix: e.g. DynamicLossScale(initial=2.0**16, growth_interval=2000)."
+            )
+
+    def init(self) -> LossScaleState:
+        """The state before the first step."""
+        zero = torch.zeros((), dtype=torch.int64)
+        return LossScaleState(torch.tensor(self.initial, dtype=torch.float32), zero, zero.clone())
+
+    def adjust(self, state: LossScaleState, finite: bool) -> LossScaleState:
+        """The state after a step whose gradients were (``finite``) or were not all finite."""
+        if not finite:
+            scale = torch.clamp(state.scale / self.factor, min=self.min_scale)
+            return LossScaleState(scale, torch.zeros_like(state.good_steps), state.skipped + 1)
+        good = state.good_steps + 1
+        if int(good) >= self.growth_interval:
+            return LossScaleState(state.scale * self.factor, torch.zeros_like(good), state.skipped)
+        return LossScaleState(state.scale, good, state.skipped)
+
+
+def _walk(scaler: DynamicLossScale, finite: list[bool]) -> list[LossScaleState]:
+    state, out = scaler.init(), []
+    for ok in finite:
+        out.append(state)
+        state = scaler.adjust(state, ok)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Dtypes for the three roles of mixed-precision training.
@@ -48,6 +120,8 @@ class Policy:
         param_dtype: dtype params (and the optimizer's view of them) are stored in.
         compute_dtype: dtype the model's forward and backward run in.
         reduce_dtype: dtype gradients are reduced and accumulated in.
+        loss_scale: ``"auto"`` (a :class:`DynamicLossScale` when computing in float16, else none),
+            ``None`` (never scale) or a :class:`DynamicLossScale`.
 
     >>> policy = Policy.from_string("params=float32,compute=bfloat16,reduce=float32")
     >>> policy.cast_to_compute({"w": torch.ones(2), "ids": torch.arange(2)})["w"].dtype
@@ -57,15 +131,28 @@ class Policy:
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
+    loss_scale: Any = "auto"
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
+        for field in dataclasses.fields(self)[:3]:
             dtype = getattr(self, field.name)
             if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise TypeError(
                     f"Policy.{field.name} must be a floating torch.dtype, got {dtype!r}. "
                     f"Fix: pass e.g. {field.name}=torch.bfloat16."
                 )
+        if not (self.loss_scale in ("auto", None) or isinstance(self.loss_scale, DynamicLossScale)):
+            raise TypeError(
+                f"Policy.loss_scale must be 'auto', None or a DynamicLossScale, got {self.loss_scale!r}. "
+                "Fix: pass loss_scale=DynamicLossScale(initial=2.0**16)."
+            )
+
+    @property
+    def scaler(self) -> DynamicLossScale | None:
+        """The loss scale the train step applies, if any (``"auto"``: dynamic for float16 compute)."""
+        if self.loss_scale == "auto":
+            return DynamicLossScale() if self.compute_dtype == torch.float16 else None
+        return self.loss_scale
 
     @classmethod
     def fp32(cls) -> Policy:
@@ -76,6 +163,11 @@ class Policy:
     def bf16_mixed(cls) -> Policy:
         """float32 params and gradient reduction, bfloat16 compute (the usual large-model setting)."""
         return cls(compute_dtype=torch.bfloat16)
+
+    @classmethod
+    def fp16_mixed(cls) -> Policy:
+        """float32 params and gradient reduction, float16 compute, dynamic loss scaling (DeepSpeed's fp16)."""
+        return cls(compute_dtype=torch.float16)
 
     @classmethod
     def from_string(cls, text: str) -> Policy:

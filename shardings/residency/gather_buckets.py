@@ -39,10 +39,15 @@ __all__ = ["gather"]
 
 
 def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: float | None,
-           units: Sequence[Any] | None = None) -> tuple[list[DTensor], Gathers]:
+           units: Sequence[Any] | None = None, cast: Any = None) -> tuple[list[DTensor], Gathers]:
     """``[to_compute(s, p) for s, p in zip(shards, placements)]`` with one all-gather per bucket
     (buckets never mix ``units``: see ``local_step.plan``), and the owner of the forward gathers,
     for :func:`settle` to close after backward.
+
+    ``cast`` (a ``shardings.step.mixed.Cast``): a bucket's blocks are cast to its compute dtype before
+    they are gathered, and its gradients to its reduce dtype before they are reduce-scattered. Leaves
+    gathered one at a time (``bucket_mb`` falsy, uneven splits) and the leaves not gathered are returned in
+    their own dtype: the caller casts those after.
 
     >>> compute, gathers = gather(leaves, plan.placements["compute"], bucket_mb=25)  # doctest: +SKIP
     """
@@ -56,7 +61,7 @@ def gather(shards: Sequence[DTensor], placements: Sequence[Any], bucket_mb: floa
             at[i] = where
     bucketed, kept = fc.unit_buckets(list(at), shards, lambda i: (at[i][0], shards[i].dtype), bucket_mb, units)
     buckets = [_Bucket(tuple(at[i] for i in b), tuple(tuple(placements[i]) for i in b),
-                       [shards[i].detach() for i in b]) for b in bucketed]
+                       [shards[i].detach() for i in b], cast) for b in bucketed]
     regather = active()
 
     def build(k: int, flat: torch.Tensor) -> tuple[DTensor, ...]:
@@ -84,13 +89,18 @@ def settle(grads: Sequence[torch.Tensor | None], gathers: Gathers) -> list[torch
 class _Bucket:
     """One bucket's leaves: how to gather them all with one collective (forward, and backward's re-gather)."""
 
-    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor]):
+    def __init__(self, at: tuple, placements: tuple, shards: list[DTensor], cast: Any = None):
         self.at, self.placements, self.shards = at, placements, shards
+        self.compute = cast.compute if cast is not None else None
+        self.reduce = cast.reduce if cast is not None else None
         self.comm = fc.Comm(shards[0].device_mesh, (at[0][0],))
         self.regather: tuple[Regather, int] | None = None  # where its backward re-gather is registered
 
     def launch(self) -> torch.Tensor:
-        return fc.launch_gather(self.comm, [s.to_local() for s in self.shards], self.at[0])
+        blocks = [s.to_local() for s in self.shards]
+        if self.compute is not None:  # cast first: the gather moves compute-dtype bytes
+            blocks = [b.to(self.compute) for b in blocks]
+        return fc.launch_gather(self.comm, blocks, self.at[0])
 
     def assemble(self, flat: torch.Tensor, shards: Sequence[DTensor] | None = None) -> tuple[DTensor, ...]:
         shards = self.shards if shards is None else shards
@@ -143,7 +153,8 @@ class _GatherBucket(torch.autograd.Function):
             other = tuple(stored[j] if j != m else g.placements[m] for j in range(len(stored)))
             g = g if tuple(g.placements) == other else g.redistribute(dm, other)  # other mesh dims as stored
             if isinstance(g.placements[m], Partial) and g.placements[m].reduce_op == "sum":
-                summed.append((k, g.to_local()))
+                local = g.to_local()
+                summed.append((k, local.to(bucket.reduce) if bucket.reduce is not None else local))
             else:
                 out[k] = g.redistribute(dm, stored)
         if summed:

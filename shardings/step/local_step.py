@@ -40,6 +40,7 @@ from shardings.residency.lazy_params import Gathers
 from shardings.spec.layouts import LOGICAL_NAMES, Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.rules import logical_to_spec
+from shardings.step.mixed import Cast
 
 __all__ = ["LocalPlan", "apply", "global_norm", "plan", "run", "update_blocks"]
 
@@ -120,8 +121,8 @@ def plan(placements: dict[str, list], params: Sequence[torch.Tensor], layout: La
 class _Gathered:
     """Stored-sharded buckets: gathered before the loss, re-gathered in backward (``Regather``), reduce-scattered."""
 
-    def __init__(self, comm: fc.Comm, lp: LocalPlan, shards: list[torch.Tensor]):
-        self.comm, self.lp, self.shards = comm, lp, shards
+    def __init__(self, comm: fc.Comm, lp: LocalPlan, shards: list[torch.Tensor], cast: Cast):
+        self.comm, self.lp, self.shards, self.cast = comm, lp, shards, cast
         self.regather = Regather()
         self.registered: dict[int, int] = {}  # bucket -> its id in self.regather
         self.forward_gathers = Gathers(len(lp.gathers), lp.kept, self._launch, self._build)
@@ -145,7 +146,9 @@ class _Gathered:
     def _launch(self, k: int) -> torch.Tensor:
         b = self.lp.gathers[k]
         with torch.no_grad():  # the gather's backward is _GatherBucket's, not autograd's
-            return fc.launch_gather(self.comm, [self.shards[i].detach() for i in b], self.lp.stored[b[0]])
+            # cast before gathering: the collective moves compute-dtype bytes (FSDP2's param_dtype)
+            return fc.launch_gather(self.comm, [self.cast.to_compute(self.shards[i].detach()) for i in b],
+                                    self.lp.stored[b[0]])
 
 
 class _GatherBucket(torch.autograd.Function):
@@ -160,7 +163,8 @@ class _GatherBucket(torch.autograd.Function):
         owner, b = ctx.owner, ctx.owner.lp.gathers[ctx.k]
         if ctx.k in owner.registered:  # every user of this bucket has run its backward: free it
             owner.regather.release(owner.registered[ctx.k])
-        grads = [torch.zeros(_full_shape(owner, i), dtype=owner.shards[i].dtype) if g is None else g
+        reduce = owner.cast.reduce or owner.shards[b[0]].dtype
+        grads = [torch.zeros(_full_shape(owner, i), dtype=reduce) if g is None else owner.cast.to_reduce(g)
                  for i, g in zip(b, grads)]
         target = [owner.lp.target[i] for i in b]
         flat = fc.launch_reduce(owner.comm, grads, target)
@@ -173,7 +177,8 @@ def _full_shape(owner: _Gathered, i: int) -> torch.Size:
 
 
 def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequence[DTensor],
-        microbatches: Sequence[Any], token_count: Callable, cast: Callable, targets: Sequence[Any]):
+        microbatches: Sequence[Any], token_count: Callable, cast: Cast, targets: Sequence[Any],
+        scale: torch.Tensor | None = None):
     """``(loss, grads, tokens)`` of the global mean loss; grads are DTensors in ``targets`` placements.
 
     Args:
@@ -184,8 +189,10 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
         params: parameter leaves in storage layout.
         microbatches: this rank's rows of each microbatch (plain tensors).
         token_count: ``batch -> tokens`` weighting each rank's and microbatch's loss.
-        cast: compute-dtype cast applied to the parameter leaves before the loss.
+        cast: the policy's dtypes (:mod:`shardings.step.mixed`): blocks cast to compute dtype before they
+            are gathered, gradients reduced, accumulated and returned in reduce dtype.
         targets: each leaf's placements after reduction (the optimizer-state layout).
+        scale: the loss scale: backward runs on ``loss * scale`` (the returned loss is unscaled).
 
     >>> loss, grads, tokens = run(lp, mesh, loss_fn, treedef, leaves, [rows], count, cast, targets)  # doctest: +SKIP
     """
@@ -202,6 +209,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
     def on_grad(j: int, i: int) -> Callable:
         def hook(g: torch.Tensor) -> None:
+            g = cast.to_reduce(g)
             ready[j][i] = g + acc[i] if i in acc else g
             if len(ready[j]) == len(lp.reduces[j]):  # the bucket's last gradient: launch its collective
                 b = lp.reduces[j]
@@ -210,18 +218,18 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
     for k, mb in enumerate(microbatches):
         last = k == len(microbatches) - 1
-        gathered = _Gathered(comm, lp, local)
+        gathered = _Gathered(comm, lp, local, cast)
         hooks = [local[i].register_hook(on_grad(j, i)) for j, b in enumerate(lp.reduces) for i in b] if last else []
         try:
             with gathered.regather.saving():
                 fulls = gathered.forward()
-                compute = cast([fulls.get(i, x) for i, x in enumerate(local)])
+                compute = [cast.to_compute(fulls.get(i, x)) for i, x in enumerate(local)]
                 del fulls
                 weight = torch.as_tensor(token_count(mb)).to(torch.float32) / total
                 loss = loss_fn(tree.unflatten(treedef, compute), mb) * weight
                 del compute
                 gathered.forward_gathers.close()  # forward is over: autograd holds what backward needs
-            grads = torch.autograd.grad(loss, local, allow_unused=True)
+            grads = torch.autograd.grad(loss if scale is None else loss * scale, local, allow_unused=True)
         finally:
             gathered.forward_gathers.close()
             for h in hooks:
@@ -232,10 +240,11 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
                 g = torch.zeros_like(local[i]) if g is None else fc.wait(g)
             elif last or g is None:
                 continue
+            g = cast.to_reduce(g)
             acc[i] = acc[i] + g if i in acc else g
     for j, b in enumerate(lp.reduces):  # buckets whose gradients did not all arrive (unused params)
         if launched[j] is None:
-            grads = [ready[j].get(i, acc.get(i, torch.zeros_like(local[i]))) for i in b]
+            grads = [ready[j].get(i, acc.get(i, cast.to_reduce(torch.zeros_like(local[i])))) for i in b]
             launched[j] = fc.launch_reduce(comm, grads, [lp.target[i] for i in b])
     reduced = {i: g for i, g in acc.items() if lp.stored[i] is not None}
     for j, b in enumerate(lp.reduces):
@@ -244,7 +253,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
     for m in lp.data_dims:
         loss_sum = fc.wait(funcol.all_reduce(loss_sum, "sum", comm.group(m)))
     dm = mesh.device_mesh
-    out = [fc.dtensor(reduced[i], dm, targets[i], p) for i, p in enumerate(params)]
+    out = [fc.dtensor(reduced[i], dm, targets[i], p) for i, p in enumerate(params)]  # in reduce dtype
     return loss_sum, out, total
 
 

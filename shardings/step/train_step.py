@@ -42,7 +42,7 @@ from shardings.spec.distribute import shard
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import logical_to_spec
-from shardings.step import local_step
+from shardings.step import local_step, mixed
 from shardings.step.initialize import param_specs
 
 __all__ = ["TrainStep", "default_token_count", "train_step"]
@@ -87,6 +87,7 @@ class TrainStep:
         self.layout = layouts.get(layout)
         layouts.validate(self.layout, mesh)
         self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
+        self.cast, self.scaler = mixed.Cast.of(precision), precision.scaler if precision is not None else None
         self.bucket_mb, self.local, self.count_comms, self.donate = bucket_mb, local, count_comms, donate
         self._clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
         self._inner = optimizer
@@ -117,19 +118,35 @@ class TrainStep:
 
     # -- public API -------------------------------------------------------------------------------
     def init(self, params: Any) -> Any:
-        """The optimizer state, sharded by the layout's ``opt_state`` rules."""
+        """The optimizer state, sharded by the layout's ``opt_state`` rules; with a loss scale (fp16),
+        ``mixed.Scaled(loss_scale, opt)``."""
         self.plan(params)
         with torch.no_grad():
-            return self.optimizer.init(tree.unflatten(self._plan.treedef, self._to("opt_state", tree.leaves(params))))
+            state = self.optimizer.init(tree.unflatten(self._plan.treedef, self._to("opt_state", tree.leaves(params))))
+        return mixed.Scaled(self.scaler.init(), state) if self.scaler is not None else state
 
-    def grads(self, params: Any, batch: Any) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """``(loss, grads, tokens)``; grads are reduced and laid out like the optimizer state."""
+    def loss_scale(self, opt_state: Any) -> torch.Tensor | None:
+        """The loss scale ``opt_state`` carries (``None`` without one): pass it to :meth:`grads`."""
+        return opt_state.loss_scale.scale if self.scaler is not None else None
+
+    def grads(self, params: Any, batch: Any,
+              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """``(loss, grads, tokens)``; grads are reduced and laid out like the optimizer state.
+
+        ``scale`` (:meth:`loss_scale`): backward runs on the loss times it; the grads returned are divided
+        by it again (they may hold infs: :meth:`apply` skips such a step).
+        """
+        loss, g, tokens = self._grads(params, batch, scale)
+        return loss, (g if scale is None else tree.unflatten(self._plan.treedef,
+                                                              mixed.unscale(tree.leaves(g), scale))), tokens
+
+    def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
         batch = self._place_batch(batch)
         if plan.local is not None:
             rows = [tree.map(lambda x: x.to_local(), mb) for mb in self._microbatches(batch)]
             loss, g, tokens = local_step.run(plan.local, self.mesh, self.loss_fn, plan.treedef, tree.leaves(params),
-                                             rows, self.token_count, self._cast_compute, plan.placements["opt_state"])
+                                             rows, self.token_count, self.cast, plan.placements["opt_state"], scale)
             return loss, tree.unflatten(plan.treedef, g), tokens
         leaves = [p.detach().requires_grad_(True) for p in tree.leaves(params)]
         reduce_now = self._reduce_in_backward()
@@ -141,13 +158,14 @@ class TrainStep:
                 weight = self.token_count(mb) / total_tokens
                 with use(self.mesh, self.layout), regather_in_backward(), dtensor_errors():
                     compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb,
-                                                             plan.units)
+                                                             plan.units, self.cast)
                     compute = self._cast_compute(compute)
                     loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                     del compute
                     gathers.close()  # forget every gathered bucket: autograd holds what backward needs
-                    g = gather_buckets.settle(torch.autograd.grad(loss, leaves, allow_unused=True), gathers)
-                g = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(leaves, g)]
+                    scaled = loss if scale is None else loss * scale
+                    g = gather_buckets.settle(torch.autograd.grad(scaled, leaves, allow_unused=True), gathers)
+                g = [self.cast.to_reduce(torch.zeros_like(p) if gi is None else gi) for p, gi in zip(leaves, g)]
                 acc = g if acc is None else [a + b for a, b in zip(acc, g)]
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         finally:
@@ -160,11 +178,30 @@ class TrainStep:
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         """One optimizer update in the ``opt_state`` layout; returns params in storage layout.
 
+        With a loss scale, a step whose gradients are not all finite on every rank is skipped: params and
+        the optimizer state come back unchanged and the scale is halved (``core.precision.DynamicLossScale``).
+        """
+        if self.scaler is None:
+            return self._update(params, opt_state, grads)
+        ok = mixed.finite(self.mesh, tree.leaves(grads))
+        scale = self.scaler.adjust(opt_state.loss_scale, ok)
+        if not ok:
+            return params, mixed.Scaled(scale, opt_state.opt)
+        params, state = self._update(params, opt_state.opt, grads)
+        return params, mixed.Scaled(scale, state)
+
+    def _update(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        """The optimizer's update (:meth:`apply` without the loss scale's skip).
+
+        Gradients held in a reduce dtype narrower than the params' are cast to it first (clipping and the
+        optimizer run in fp32 on the fp32 master weights: one transient fp32 copy of the rank's gradients).
+
         An elementwise optimizer (``adamw``, ``sgd``, ...) updates each rank's local blocks
         (``local_step.update_blocks``: torch's fused kernel where it has one, in place when donated),
         after a clip's global norm on the DTensors; any other runs its pure update on the DTensors.
         """
         plan = self.plan(params)
+        grads = tree.map(lambda g, p: g.to(p.dtype) if g.dtype != p.dtype else g, grads, params)
         if not getattr(self._inner, "elementwise", False):
             with torch.no_grad():
                 p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
@@ -195,7 +232,8 @@ class TrainStep:
         self.mesh.device_mesh  # noqa: B018  (no process group: say so first, not comms()'s complaint)
         # Counted: the step's own communication. Metrics (norm, loss, tokens) are reduced after it.
         with accounting.comms() if self.count_comms else contextlib.nullcontext() as c:
-            loss, grads, tokens = self.grads(params, batch)
+            scale = self.loss_scale(opt_state)
+            loss, grads, tokens = self.grads(params, batch) if scale is None else self.grads(params, batch, scale)
             new_params, new_state = self.apply(params, opt_state, grads)
         metrics = {
             "loss": _scalar(loss),
@@ -205,6 +243,7 @@ class TrainStep:
             "comm_bytes": c.total_bytes() if c else None,
             "memory": {
                 "params": accounting.memory(new_params),
+                "compute": self._compute_copy_bytes(new_params),
                 "grads": self._grad_bytes(params, grads),
                 "opt_state": accounting.memory(new_state),
             },
@@ -223,8 +262,8 @@ class TrainStep:
         return [g != c and c == s for g, c, s in zip(pl["grads"], pl["compute"], pl["params"])]
 
     def _reducer(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        placements = self._plan.placements["grads"][i]
-        return lambda g: g.redistribute(g.device_mesh, placements)
+        placements, cast = self._plan.placements["grads"][i], self.cast
+        return lambda g: cast.to_reduce(g).redistribute(g.device_mesh, placements).to(g.dtype)
 
     def _grad_bytes(self, params: Any, grads: Any) -> int:
         # Gradients held per rank: reduced in backward (a sharded grads role) they take the grads
@@ -242,11 +281,17 @@ class TrainStep:
             self._grad_nbytes = total
         return self._grad_nbytes
 
+    def _compute_copy_bytes(self, params: Any) -> int:
+        """Bytes of the compute-dtype copies of the params each rank makes (its stored blocks, cast before any
+        gather): 0 without a policy or when compute dtype is the params' own."""
+        dtype = self.cast.compute
+        if dtype is None:
+            return 0
+        held = [p for p in tree.leaves(params) if p.is_floating_point() and p.dtype != dtype]
+        return accounting.memory(held) * dtype.itemsize // max(1, held[0].dtype.itemsize) if held else 0
+
     def _cast_compute(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.precision is None:
-            return leaves
-        dtype = self.precision.compute_dtype
-        return [x.to(dtype) if x.is_floating_point() else x for x in leaves]
+        return [self.cast.to_compute(x) for x in leaves]
 
     def _place_batch(self, batch: Any) -> Any:
         rules = self.layout.role("batch")

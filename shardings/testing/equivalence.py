@@ -20,7 +20,7 @@ from shardings.spec.mesh import Mesh
 from shardings.step.initialize import init as sharded_init
 from shardings.step.pipeline_step import has_pp
 from shardings.step.train_step import train_step
-from shardings.testing.tolerance import ULPS, diff, tolerance
+from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, diff, tolerance
 
 __all__ = ["EquivalenceError", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
 
@@ -72,7 +72,8 @@ class Report:
 
 
 def compare_trees(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS,
-                  slack: dict[str, torch.Tensor] | None = None) -> tuple[float, float, float, str, bool]:
+                  slack: dict[str, torch.Tensor] | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[float, float, float, str, bool]:
     """Compare two trees leaf by leaf with the tolerance rule (:mod:`shardings.testing.tolerance`).
 
     The structures must match: a leaf missing on either side (or an extra one) fails, named by its path.
@@ -91,13 +92,36 @@ def compare_trees(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS,
     for key, w in want_leaves.items():
         w = torch.as_tensor(w).detach()
         extra = slack.get(key) if slack is not None else None
-        d = diff(got_leaves[key], w, tolerance(w, terms=terms, ulps=ulps) if w.numel() else None, slack=extra)
+        tol = tolerance(w, terms=terms, ulps=ulps, dtype=dtype) if w.numel() else None
+        d = diff(got_leaves[key], w, tol, slack=extra)
         if d.used >= worst[2]:
             worst = (d.max_abs, d.rel_norm, d.used, key, d.ok)
     return worst
 
 
-def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps):
+def low_dtype(policy: Any) -> torch.dtype | None:
+    """The least precise of a policy's compute and reduce dtypes (``None`` without a policy): what the
+    tolerance rule takes its epsilon from."""
+    if policy is None:
+        return None
+    return max((policy.compute_dtype, policy.reduce_dtype), key=lambda d: torch.finfo(d).eps)
+
+
+def _with_policy(loss_fn: Callable, policy: Any) -> Callable:
+    """The single-device loss under a precision policy: params cast to compute dtype, gradients rounded to the
+    reduce dtype (their reduction's), returned in the params' dtype; scaled by the policy's initial loss scale."""
+    if policy is None:
+        return core.value_and_grad(loss_fn)
+    scale = policy.scaler.initial if policy.scaler is not None else 1.0
+
+    def value_and_grad(params: Any, batch: Any) -> tuple[torch.Tensor, Any]:
+        loss, grads = core.value_and_grad(lambda p: loss_fn(policy.cast_to_compute(p), batch) * scale)(params)
+        return loss / scale, tree.map(lambda g, p: policy.cast_to_reduce(g).to(p.dtype) / scale, grads, params)
+
+    return value_and_grad
+
+
+def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps, policy=None):
     """Per step the single-device ``(loss, grads, params)``, and how far rounding noise could move each of them.
 
     The second part runs the same optimizer twice more beside the reference, each on its own
@@ -109,17 +133,19 @@ def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, term
     that allowed params noise moves the loss and gradients in turn (the same allowance, one step later).
     """
     params = init(key, cfg)
+    value_and_grad = _with_policy(loss_fn, policy)
+    dtype = low_dtype(policy)
     opt = core.optim.chain(core.optim.clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
     state = opt.init(params)
     noisy = [(sign, params, opt.init(params)) for sign in (1.0, -1.0)]
     out, slack = [], []
     for step in range(steps):
-        loss, grads = core.value_and_grad(loss_fn)(params, batch)
+        loss, grads = value_and_grad(params, batch)
         seen = []  # (loss, grads) of each noisy run at its own params
         for j, (sign, p, st) in enumerate(noisy):
-            g_loss, g = (loss, grads) if step == 0 else core.value_and_grad(loss_fn)(p, batch)
+            g_loss, g = (loss, grads) if step == 0 else value_and_grad(p, batch)
             seen.append((g_loss, g))
-            pushed = tree.map(lambda g, sign=sign: g + sign * _allowed(g, terms, ulps), g)
+            pushed = tree.map(lambda g, sign=sign: g + sign * _allowed(g, terms, ulps, dtype), g)
             updates, st = opt.update(pushed, st, p)
             noisy[j] = (sign, core.optim.apply_updates(p, updates), st)
         updates, state = opt.update(grads, state, params)
@@ -140,11 +166,11 @@ def _spread(want: Any, others: list[Any]) -> dict[str, torch.Tensor]:
             zip(tree.leaves_with_path(moved[0]), tree.leaves(moved[1]))}
 
 
-def _allowed(g: torch.Tensor, terms: int, ulps: float) -> torch.Tensor:
+def _allowed(g: torch.Tensor, terms: int, ulps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The largest difference from ``g`` the rule accepts, per element."""
     if not g.numel():
         return torch.zeros_like(g)
-    tol = tolerance(g, terms=terms, ulps=ulps)
+    tol = tolerance(g, terms=terms, ulps=ulps, dtype=dtype)
     return tol.atol + tol.rtol * g.detach().abs()
 
 
@@ -166,7 +192,8 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
     sync = getattr(step, "gather_stages", lambda t: t)  # pp on real ranks: each block from the rank that owns it
     out = []
     for _ in range(steps):
-        loss, grads, _ = step.grads(params, batch)
+        scale = step.loss_scale(state)  # fp16: the loss scale the state carries (None otherwise)
+        loss, grads, _ = step.grads(params, batch) if scale is None else step.grads(params, batch, scale)
         params, state = step.apply(params, state, grads)
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         out.append(_rank_values({"loss": loss, "grads": gather(sync(grads)), "params": gather(sync(params))}))
@@ -223,7 +250,7 @@ def check_equivalence(
     clip_norm: float | None = None,
     seed: int = 0,
     terms: int | None = None,
-    ulps: float = ULPS,
+    ulps: float | None = None,
     raise_on_failure: bool = True,
     runtime: str = "simulate",
     local: bool = True,
@@ -231,6 +258,7 @@ def check_equivalence(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     stages: Callable[[Any], Any] | None = None,
     schedule: Any = "1f1b",
+    precision: Any = None,
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -261,8 +289,9 @@ def check_equivalence(
         seed: the init key's seed.
         terms: the reduction length behind the compared values, for the tolerance rule
             (:func:`shardings.testing.tolerance`); default the number of elements of the batch's
-            largest leaf (the tokens a loss and its gradients sum over).
-        ulps: the rule's margin (default :data:`shardings.testing.ULPS`).
+            largest leaf (the tokens a loss and its gradients sum over); 1 under a bf16/fp16 ``precision``.
+        ulps: the rule's margin (default :data:`shardings.testing.ULPS`; under a bf16/fp16 ``precision``
+            :data:`~shardings.testing.tolerance.LOW_PRECISION_ULPS`).
         raise_on_failure: raise :class:`EquivalenceError` when any comparison fails.
         runtime: ``"simulate"`` (ranks in this process) or ``"multiprocess"`` (real processes via
             ``shardings.launch``, gloo on CPU; every function and config passed must be picklable).
@@ -274,6 +303,9 @@ def check_equivalence(
         stages: for layouts with ``pp``: the model's stage declaration as a function of ``cfg``
             (``models.gpt.stages``); the pipeline then runs ``accum_steps`` microbatches (default ``pp``).
         schedule: for layouts with ``pp``: ``"gpipe"``, ``"1f1b"`` or a ``shardings.pipeline.Schedule``.
+        precision: a ``core.precision.Policy`` for both sides: the reference runs the same policy on one device
+            (params cast to compute dtype, gradients rounded to reduce dtype, the same initial loss scale), and
+            the tolerance rule uses the compute dtype's epsilon (:func:`check_runs`).
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -288,7 +320,8 @@ def check_equivalence(
     runs = {}
     for layout in layouts:
         layout = get_layout(layout)
-        step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb)
+        step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb,
+                       precision=precision)
         layout_loss = loss_fn
         if has_pp(layout):
             if stages is None:
@@ -298,13 +331,14 @@ def check_equivalence(
         runs[layout.name] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch, optimizer,
                                               steps, key, layout, mesh, step_kw)
     return check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm, seed=seed,
-                      terms=terms, ulps=ulps, raise_on_failure=raise_on_failure, where=f" on {mesh!r}")
+                      terms=terms, ulps=ulps, raise_on_failure=raise_on_failure, where=f" on {mesh!r}",
+                      precision=precision)
 
 
 def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[Any, Any], Any],
                loss: Callable[..., torch.Tensor], cfg: Any, batch: Any, *, steps: int = 3, optimizer: Any = None,
-               clip_norm: float | None = None, seed: int = 0, terms: int | None = None, ulps: float = ULPS,
-               raise_on_failure: bool = True, where: str = "") -> Report:
+               clip_norm: float | None = None, seed: int = 0, terms: int | None = None, ulps: float | None = None,
+               raise_on_failure: bool = True, where: str = "", precision: Any = None) -> Report:
     """:func:`check_equivalence` for any way of training: each of ``runs`` (by name) is a function returning, per
     step, one ``{"loss", "grads", "params"}`` tree of full plain tensors per rank; compared with the single-device
     reference (same optimizer, clipping, seed, and allowances) and reported the same way.
@@ -313,15 +347,21 @@ def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[A
     """
     optimizer = optimizer if optimizer is not None else functools.partial(core.optim.adamw, 1e-3)
     make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
+    low = low_dtype(precision)
+    if low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps:  # see tolerance.LOW_PRECISION_ULPS
+        terms, ulps = terms or 1, ulps if ulps is not None else LOW_PRECISION_ULPS
     terms = terms or max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
+    ulps = ulps if ulps is not None else ULPS
     loss_fn, key = functools.partial(loss, cfg=cfg), core.random.key(seed)
-    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps)
+    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps, precision)
+    dtype = low_dtype(precision)
     rows: list[Row] = []
     for name, run in runs.items():
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, run(), strict=True)):
             for quantity, want in (("loss", ref_loss), ("grads", ref_grads), ("params", ref_params)):
                 extra = slack[i][quantity]
-                results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, slack=extra) for r in per_ranks]
+                results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, slack=extra, dtype=dtype)
+                           for r in per_ranks]
                 abs_, rel, used, path, ok = max(results, key=lambda r: (not r[4], r[2]))
                 rows.append(Row(name, i + 1, quantity, abs_, rel, used, path or "<scalar>", ok))
     report = Report(rows)
