@@ -1,15 +1,19 @@
 """Pipeline parallelism: a model's layers split into stages, microbatches scheduled across them.
 
 A model declares its :class:`Stages` (before the blocks, each block, after); :func:`split` assigns
-contiguous blocks to stages; a :class:`Schedule` (``gpipe``, ``one_f_one_b``, or any list of actions per
-rank that :func:`check` accepts) says what each rank does in which order; :func:`run` executes it.
+contiguous blocks to stages; a :class:`Schedule` (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, the
+zero-bubble ``zb_h1`` and ``zb_v``, or any list of actions per rank that :func:`check` accepts) says what each
+rank does in which order; :func:`run` executes it. ``docs/pipeline.md`` shows how to write your own.
 """
 
+from shardings.pipeline.builders import SCHEDULES, build
 from shardings.pipeline.check import check
 from shardings.pipeline.execute import Result, Timed, run
-from shardings.pipeline.schedule import SCHEDULES, Action, Schedule, ScheduleError, build, gpipe, one_f_one_b
+from shardings.pipeline.interleaved import interleaved_1f1b
+from shardings.pipeline.schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
 from shardings.pipeline.stages import Split, Stages, split
 from shardings.pipeline.wire import Message
+from shardings.pipeline.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "SCHEDULES",
@@ -24,7 +28,10 @@ __all__ = [
     "build",
     "check",
     "gpipe",
+    "interleaved_1f1b",
     "one_f_one_b",
     "run",
     "split",
+    "zb_h1",
+    "zb_v",
 ]

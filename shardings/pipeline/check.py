@@ -1,9 +1,9 @@
 """``check(schedule)``: a pipeline schedule is complete, its sends and receives pair up, and it cannot deadlock.
 
 The checks run from the local to the global, so the first error is the most specific one: each action on its
-own (kind, ranges, owning rank), duplicates, one F and one B per stage and microbatch, every send matched by a
-receive and back, each rank's order (RECV_F, F, SEND_F ... RECV_B, B, SEND_B), then a run of the whole
-program with blocking receives (``timeline``).
+own (kind, ranges, owning rank), duplicates, one F and one B per stage and microbatch (and one W each where the
+schedule splits the backward), every send matched by a receive and back, each rank's order (RECV_F, F, SEND_F
+... RECV_B, B, SEND_B ... W), then a run of the whole program with blocking receives (``timeline``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ def _check_shape(schedule: Schedule) -> None:
         raise sharding_error(
             f"{schedule.name}: {len(schedule.ranks)} rank programs for pp={schedule.pp}",
             fix="give exactly one tuple of actions per rank",
+            cls=ScheduleError,
+        )
+    placement = schedule.placement
+    if placement is not None and (
+        len(placement) != schedule.stages
+        or any(placement.count(r) != schedule.stages_per_rank for r in range(schedule.pp))
+    ):
+        raise sharding_error(
+            f"{schedule.name}: placement {placement} for pp={schedule.pp} x stages_per_rank="
+            f"{schedule.stages_per_rank}",
+            fix=f"give one rank in 0..{schedule.pp - 1} per stage, each rank {schedule.stages_per_rank} times",
             cls=ScheduleError,
         )
 
@@ -65,7 +76,7 @@ def _check_actions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
                     r,
                     a,
                     f"wrong rank: stage {a.stage} runs on rank {schedule.rank_of(a.stage)}",
-                    fix=f"move it to rank {schedule.rank_of(a.stage)} (rank = stage % pp)",
+                    fix=f"move it to rank {schedule.rank_of(a.stage)} ({_placed(schedule)})",
                 )
             if a in where:
                 raise _error(schedule, r, a, f"duplicated (positions {where[a][1]} and {i})", fix="keep one")
@@ -73,18 +84,22 @@ def _check_actions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
     return where
 
 
+def _placed(schedule: Schedule) -> str:
+    return "rank = stage % pp" if schedule.placement is None else f"the schedule's placement {schedule.placement}"
+
+
 def _check_complete(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
+    """One F and one B per stage and microbatch; one W each too, if any (a split backward is split throughout)."""
+    split = schedule.split_backward
     for stage in range(schedule.stages):
         for mb in range(schedule.microbatches):
-            for kind in COMPUTE:
+            for kind in COMPUTE if split else ("F", "B"):
                 if Action(kind, stage, mb) not in where:
-                    raise _error(
-                        schedule,
-                        schedule.rank_of(stage),
-                        Action(kind, stage, mb),
-                        "missing",
-                        fix="run one F and one B per stage and microbatch",
-                    )
+                    fix = "run one F and one B per stage and microbatch"
+                    if kind == "W":
+                        fix = (f"this schedule splits the backward (it has W actions), so every B needs its W: add "
+                               f"W{mb} of stage {stage} after B{mb}, or drop every W to run whole backwards")
+                    raise _error(schedule, schedule.rank_of(stage), Action(kind, stage, mb), "missing", fix=fix)
 
 
 def _check_pairs(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
@@ -114,7 +129,7 @@ def _check_pairs(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> No
 
 
 def _check_order(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
-    """On each rank: RECV_F < F < SEND_F and RECV_B < B < SEND_B where the stage communicates; F < B."""
+    """On each rank: RECV_F < F < SEND_F and RECV_B < B < SEND_B where the stage communicates; F < B < W."""
     last = schedule.stages - 1
     for stage in range(schedule.stages):
         for mb in range(schedule.microbatches):
@@ -128,6 +143,15 @@ def _check_order(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> No
                     backward,
                     f"runs before its forward {forward}",
                     fix=f"place {backward} after {forward}",
+                )
+            weight = Action("W", stage, mb)
+            if weight in where and where[weight][1] < b_at:
+                raise _error(
+                    schedule,
+                    rank,
+                    weight,
+                    f"runs before its input-gradient backward {backward}",
+                    fix=f"place {weight} after {backward} (W uses the output gradient B received)",
                 )
             required = [
                 ("RECV_F", forward, -1, stage > 0),

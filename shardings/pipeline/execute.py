@@ -10,9 +10,13 @@ message has not been sent; a send puts the message in an in-process mailbox (buf
   and keeps the autograd graph until **B**; the last stage's output is the microbatch's loss times its
   token share, so the losses add up to the global batch's token mean.
 * **B** backpropagates the received output gradient (last stage: 1) into the stage's parameters,
-  accumulated over microbatches in one buffer per parameter (``no_sync``: reduced once per step by the
-  caller), and into the carry it received, which **SEND_B** passes to the previous stage. Parameters
-  used by two stages (a tied embedding on the first and the last) get both gradients summed.
+  accumulated over microbatches in one buffer per stage and parameter (``no_sync``: reduced once per step by
+  the caller), and into the carry it received, which **SEND_B** passes to the previous stage. Where the
+  schedule splits the backward, **B** computes only the carry's gradient and **W** the parameters'
+  (:mod:`shardings.pipeline.backward`: bitwise the whole backward's). Each stage adds its microbatches'
+  gradients in microbatch order whatever order they come in (one that comes early waits), and the stages'
+  sums are added in stage order (a tied embedding on the first and the last), so every schedule for a
+  split gives the same bits.
 * Every action is timed (``timeline``), every message counted (``p2p``, and as ``send`` on axis ``pp`` in
   :func:`shardings.comms`), and each rank's activations saved for backward are tracked
   (``saved_peak``: the most bytes held at once, parameters excluded).
@@ -32,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from shardings.comm.accounting import recorded_as
 from shardings.comm.peak_memory import storages
+from shardings.pipeline.backward import backward_input, backward_weight
 from shardings.pipeline.check import check
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
@@ -57,14 +62,14 @@ class Result:
     p2p: list[Message]
 
     def bubble(self) -> list[float]:
-        """Each rank's idle fraction: 1 − (its F and B time) / (first start to last end over all ranks).
+        """Each rank's idle fraction: 1 − (its F, B and W time) / (first start to last end over all ranks).
 
         Meaningful for real ranks (``run(..., mesh=)`` gathers every rank's timeline); simulated ranks take turns.
         """
         t0, t1 = min(t.start for t in self.timeline), max(t.end for t in self.timeline)
         busy = [0.0] * len(self.saved_peak)
         for t in self.timeline:
-            if t.action.kind in ("F", "B"):
+            if t.action.kind in ("F", "B", "W"):
                 busy[t.rank] += t.end - t.start
         return [1 - b / (t1 - t0) for b in busy]
 
@@ -133,7 +138,10 @@ class _Runner:
         self.microbatches, self.weights = microbatches, weights
         self.params = pytree.tree_map(lambda x: x.detach().requires_grad_(x.is_floating_point())
                                       if isinstance(x, torch.Tensor) else x, params)
-        self.grads: dict[int, torch.Tensor] = {}  # id(leaf) -> accumulated gradient
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, id(leaf)) -> sum over microbatches so far
+        self.early: list[dict[int, list[Any]]] = [{} for _ in range(schedule.stages)]  # per stage: mb -> grads
+        self.summed = [0] * schedule.stages  # per stage: microbatches added to self.grads
+        self.deferred: dict[tuple[int, int], Any] = {}  # (stage, mb) -> what W needs (split backward)
         self.leaves = self._stage_leaves()
         ptrs = {st.data_ptr() for x in _tensors(self.params) for st in storages(x)}
         self.saved = _Saved(schedule.pp, ptrs)
@@ -141,7 +149,7 @@ class _Runner:
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (stage, mb) -> (input carry, output)
         self.out_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient received for the output
         self.in_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient of the input, to send
-        self.losses: list[torch.Tensor] = []
+        self.losses: dict[int, torch.Tensor] = {}  # mb -> its loss times its token share
         self.timeline: list[Timed] = []
 
     def _stage_leaves(self) -> list[list[torch.Tensor]]:
@@ -171,7 +179,7 @@ class _Runner:
                 x = self.stages.block(self.params[self.stages.blocks][i], x, i)
             if s == self.split.stages - 1:
                 x = self.stages.last(self.params, x, batch) * self.weights[mb]
-                self.losses.append(x.detach())
+                self.losses[mb] = x.detach()
         self.graphs[(s, mb)] = (carry, x)
 
     def _b(self, rank: int, s: int, mb: int) -> None:
@@ -181,17 +189,32 @@ class _Runner:
         cots = [torch.ones_like(out)] if last else _tensors(self.out_grads.pop((s, mb)))
         pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
         inputs = [] if s == 0 else [x for x in _tensors(carry) if x.requires_grad]
-        leaves = self.leaves[s]
-        grads = torch.autograd.grad([o for o, _ in pairs], inputs + leaves, [c for _, c in pairs], allow_unused=True)
-        for leaf, g in zip(leaves, grads[len(inputs):]):
-            if g is not None:
-                held = self.grads.get(id(leaf))
-                self.grads[id(leaf)] = g if held is None else held + g
+        outs, cots, leaves = [o for o, _ in pairs], [c for _, c in pairs], self.leaves[s]
+        if self.schedule.split_backward:  # B: the carry's gradient now, W the parameters' later
+            in_grads, self.deferred[(s, mb)] = backward_input(outs, cots, inputs, leaves)
+        else:
+            grads = torch.autograd.grad(outs, inputs + leaves, cots, allow_unused=True)
+            in_grads = grads[: len(inputs)]
+            self._accumulate(s, mb, grads[len(inputs):])
         if s > 0:
-            it = iter(grads[: len(inputs)])
+            it = iter(in_grads)
             self.in_grads[(s, mb)] = pytree.tree_map(
                 lambda x: (next(it) if x.requires_grad else torch.zeros_like(x)) if isinstance(x, torch.Tensor) else x,
                 carry)
+
+    def _w(self, rank: int, s: int, mb: int) -> None:
+        self._accumulate(s, mb, backward_weight(self.deferred.pop((s, mb)), self.leaves[s]))
+
+    def _accumulate(self, s: int, mb: int, grads: Any) -> None:
+        """Add a microbatch's gradients to stage ``s``'s sums in microbatch order (an early one waits)."""
+        self.early[s][mb] = grads
+        while self.summed[s] in self.early[s]:
+            for leaf, g in zip(self.leaves[s], self.early[s].pop(self.summed[s])):
+                if g is not None:
+                    key = (s, id(leaf))
+                    held = self.grads.get(key)
+                    self.grads[key] = g if held is None else held + g
+            self.summed[s] += 1
 
     def _send_f(self, rank: int, s: int, mb: int) -> None:
         self.transport.send("F", s, mb, self.graphs[(s, mb)][1])
@@ -206,25 +229,36 @@ class _Runner:
         self.out_grads[(s, mb)] = self.transport.recv("B", s, mb)
 
     def result(self) -> Result:
-        grads = pytree.tree_map(lambda x: self.grads.get(id(x), torch.zeros_like(x))
-                                if isinstance(x, torch.Tensor) and x.requires_grad else None, self.params)
-        loss = torch.stack(self.losses).sum() if self.losses else torch.zeros(())
+        def total(x: torch.Tensor) -> torch.Tensor:  # the stages' sums, added in stage order
+            parts = [self.grads[s, id(x)] for s in range(self.split.stages) if (s, id(x)) in self.grads]
+            return sum(parts[1:], parts[0]) if parts else torch.zeros_like(x)
+
+        grads = pytree.tree_map(lambda x: total(x) if isinstance(x, torch.Tensor) and x.requires_grad else None,
+                                self.params)
+        losses = [self.losses[mb] for mb in sorted(self.losses)]
+        loss = torch.stack(losses).sum() if losses else torch.zeros(())
         return Result(loss, grads, self.timeline, self.saved.peak, self.transport.p2p)
 
 
 class _Mailbox:
-    """Messages between simulated ranks: a dict; a send is counted as one ``send`` on ``pp``."""
+    """Messages between simulated ranks: a dict; a send to another rank is counted as one ``send`` on ``pp``
+    (between two stages on one rank nothing travels, as on real ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
         self.box: dict[tuple[str, int, int], Any] = {}  # (kind, receiving stage, mb) -> payload
         self.p2p: list[Message] = []
 
     def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:
+        to = stage + 1 if kind == "F" else stage - 1
+        detached = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, payload)
+        if self.schedule.rank_of(to) == self.schedule.rank_of(stage):
+            self.box[(kind, to, mb)] = detached
+            return
         nbytes = _nbytes(payload)
         self.p2p.append(Message(kind, stage, mb, nbytes))
         with recorded_as("send", "pp", nbytes):
-            self.box[(kind, stage + 1 if kind == "F" else stage - 1, mb)] = pytree.tree_map(
-                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, payload)
+            self.box[(kind, to, mb)] = detached
 
     def ready(self, kind: str, stage: int, mb: int) -> bool:
         return (kind, stage, mb) in self.box
@@ -257,7 +291,7 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
                          "Fix: build the schedule and the split for the same pp and pass one weight per microbatch.")
     if mesh is not None:
         return _run_rank(schedule, stages, split, params, microbatches, weights, mesh, carry_layout)
-    runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox())
+    runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox(schedule))
     pending = [list(actions) for actions in schedule.ranks]
     while any(pending):
         progressed = False

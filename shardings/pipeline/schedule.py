@@ -2,23 +2,29 @@
 
 A ``Schedule`` says *what* each rank does and in which order (forward, backward, send, receive); an executor
 runs it and ``shardings.pipeline.check`` proves it sound. Timing is derived, never stored: ``timeline`` runs
-the program with every F and B taking one unit, communication free and receives blocking until their send
+the program with every F, B and W taking one unit, communication free and receives blocking until their send
 ran, which gives the table and the bubble of the GPipe/PipeDream figures.
+
+The backward is either whole (``B`` alone) or split, as in zero-bubble pipelines, into ``B`` (the gradient of
+the stage's input, which the previous stage waits for) and ``W`` (the gradient of its weights, which nothing
+waits for): a schedule with any ``W`` splits every backward. Unit time is the zero-bubble paper's with F = B = W
+= 1, except that a whole backward also takes one slot: the bubble *fractions* of GPipe, 1F1B and interleaved
+1F1B are the same whether it takes one slot or two (all their idle time scales with F + B), so fractions compare
+across schedules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 from shardings.spec.errors import ShardingError, sharding_error
 
-__all__ = ["SCHEDULES", "Action", "Schedule", "ScheduleError", "build", "gpipe", "one_f_one_b", "timeline"]
+__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "program", "timeline"]
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
 COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_SHORT = {"F": "F", "B": "B", "SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
+_SHORT = {"F": "F", "B": "B", "W": "W", "SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
 # A receive waits for the send of the neighbouring stage: (send kind, stage offset of the sender).
 SENDER = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", +1)}
 
@@ -31,10 +37,11 @@ class ScheduleError(ShardingError):
 class Action:
     """One step of a rank's program.
 
-    ``kind`` is ``"F"``/``"B"`` (forward/backward of ``stage`` on microbatch ``mb``), ``"SEND_F"`` (activation
-    to stage+1), ``"RECV_F"`` (activation from stage-1), ``"SEND_B"`` (input-gradient to stage-1) or
-    ``"RECV_B"`` (output-gradient from stage+1). ``str`` is compact and omits the stage: ``F3``, ``B0``,
-    ``sF1``, ``rF1``, ``sB2``, ``rB2``.
+    ``kind`` is ``"F"``/``"B"`` (forward/backward of ``stage`` on microbatch ``mb``), ``"W"`` (the weight
+    gradient, in a schedule that splits the backward; its ``B`` then computes only the input gradient),
+    ``"SEND_F"`` (activation to stage+1), ``"RECV_F"`` (activation from stage-1), ``"SEND_B"`` (input-gradient
+    to stage-1) or ``"RECV_B"`` (output-gradient from stage+1). ``str`` is compact and omits the stage: ``F3``,
+    ``B0``, ``W0``, ``sF1``, ``rF1``, ``sB2``, ``rB2``.
 
     >>> str(Action("RECV_F", stage=1, mb=2)), str(Action("B", 0, 0))
     ('rF2', 'B0')
@@ -57,8 +64,10 @@ class Schedule:
         pp: number of pipeline ranks.
         microbatches: microbatches per step.
         ranks: ``ranks[r]`` is rank ``r``'s actions in the order it runs them.
-        stages_per_rank: model chunks per rank (1 here; interleaved schedules use more). Stage ``s`` lives on
-            rank ``s % pp``.
+        stages_per_rank: model chunks per rank (1 for GPipe and 1F1B; interleaved schedules use more).
+        placement: ``placement[s]`` is the rank that runs stage ``s``; ``None`` (default) places stage ``s`` on
+            rank ``s % pp`` (round robin, as Megatron's virtual stages). ZB-V places a V: rank ``r`` runs
+            stages ``r`` and ``2 pp - 1 - r``.
 
     >>> print(gpipe(2, 2))
     gpipe: pp=2, microbatches=2, bubble 33.3%
@@ -70,21 +79,28 @@ class Schedule:
     pp: int
     microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
-    stages_per_rank: int = 1  # model chunks per rank; stage s runs on rank s % pp
+    stages_per_rank: int = 1  # model chunks per rank
+    placement: tuple[int, ...] | None = None  # rank of each stage; None: stage s on rank s % pp
 
     @property
     def stages(self) -> int:
         """Number of pipeline stages (``pp * stages_per_rank``)."""
         return self.pp * self.stages_per_rank
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into ``B`` (input gradient) and ``W`` (weight gradient)."""
+        return any(a.kind == "W" for actions in self.ranks for a in actions)
+
     def rank_of(self, stage: int) -> int:
         """The rank that owns ``stage``."""
-        return stage % self.pp
+        return stage % self.pp if self.placement is None else self.placement[stage]
 
     def table(self) -> str:
         """Rows = ranks, columns = unit time slots; each F/B at the slot it runs in ``timeline``, idle as ``.``.
 
-        Sends and receives take no time and are not shown. Raises ``ScheduleError`` if the program deadlocks.
+        Sends and receives take no time and are not shown; with several stages per rank the cells do not say
+        which (``timeline`` does). Raises ``ScheduleError`` if the program deadlocks.
         """
         slots = timeline(self)
         makespan = max((t + 1 for row in slots for t, _ in row), default=0)
@@ -116,16 +132,18 @@ class Schedule:
         return float(Fraction(self.pp * makespan - busy, self.pp * makespan)) if makespan else 0.0
 
     def peak_in_flight(self) -> tuple[int, ...]:
-        """Per rank, the most microbatches whose forward ran and backward has not (activations held).
+        """Per rank, the most (stage, microbatch) forwards whose backward has not finished (activations held):
+        until ``B``, or until ``W`` where the backward is split (``W`` needs the inputs of the weights' ops).
 
         >>> one_f_one_b(4, 8).peak_in_flight(), gpipe(4, 8).peak_in_flight()
         ((4, 3, 2, 1), (8, 8, 8, 8))
         """
+        release = "W" if self.split_backward else "B"
         peaks = []
         for actions in self.ranks:
             held = peak = 0
             for a in actions:
-                held += {"F": 1, "B": -1}.get(a.kind, 0)
+                held += {"F": 1, release: -1}.get(a.kind, 0)
                 peak = max(peak, held)
             peaks.append(peak)
         return tuple(peaks)
@@ -134,7 +152,7 @@ class Schedule:
 def timeline(schedule: Schedule) -> tuple[tuple[tuple[int, Action], ...], ...]:
     """Run the program in unit time: per rank, ``(start slot, action)`` of each F and B.
 
-    Each rank runs its actions in order; F and B take one unit, a send records the time it ran (sends are
+    Each rank runs its actions in order; F, B and W take one unit, a send records the time it ran (sends are
     buffered and never block), a receive waits for the matching send of the neighbouring stage.
 
     Raises:
@@ -183,10 +201,11 @@ def _needs(schedule: Schedule, recv: Action) -> str:
     return f"needs {Action(send_kind, peer, recv.mb)} from stage {peer} on rank {schedule.rank_of(peer)}"
 
 
-def _check_sizes(name: str, pp: int, microbatches: int) -> None:
-    for arg, value in (("pp", pp), ("microbatches", microbatches)):
+def check_sizes(name: str, pp: int, microbatches: int, arg: str | None = None) -> None:
+    """Raise ``ScheduleError`` unless the sizes are integers >= 1 (``arg`` names ``pp`` when it is another one)."""
+    for label, value in ((arg or "pp", pp), ("microbatches", microbatches)):
         if not isinstance(value, int) or value < 1:
-            raise sharding_error(f"{name}: {arg}={value!r}", fix=f"pass an integer {arg} >= 1", cls=ScheduleError)
+            raise sharding_error(f"{name}: {label}={value!r}", fix=f"pass an integer {label} >= 1", cls=ScheduleError)
 
 
 def _forward(stage: int, mb: int, last: int) -> list[Action]:
@@ -207,6 +226,16 @@ def _backward(stage: int, mb: int, last: int) -> list[Action]:
     ]
 
 
+def program(computes: list[Action], stages: int) -> tuple[Action, ...]:
+    """A rank's program from its computes in order: each receive right before its F/B, each send right after.
+
+    >>> [str(a) for a in program([Action("F", 1, 0), Action("B", 1, 0), Action("W", 1, 0)], stages=3)]
+    ['rF0', 'F0', 'sF0', 'rB0', 'B0', 'sB0', 'W0']
+    """
+    wrap = {"F": _forward, "B": _backward, "W": lambda s, mb, last: [Action("W", s, mb)]}
+    return tuple(x for a in computes for x in wrap[a.kind](a.stage, a.mb, stages - 1))
+
+
 def gpipe(pp: int, microbatches: int) -> Schedule:
     """GPipe: every rank runs all forwards, then all backwards, both in microbatch order 0..m-1.
 
@@ -216,7 +245,7 @@ def gpipe(pp: int, microbatches: int) -> Schedule:
     >>> [str(a) for a in gpipe(2, 2).ranks[1]]
     ['rF0', 'F0', 'rF1', 'F1', 'B0', 'sB0', 'B1', 'sB1']
     """
-    _check_sizes("gpipe", pp, microbatches)
+    check_sizes("gpipe", pp, microbatches)
     last = pp - 1
     ranks = tuple(
         tuple(
@@ -239,7 +268,7 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     >>> [str(a) for a in one_f_one_b(4, 4).ranks[1] if a.kind in ("F", "B")]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
     """
-    _check_sizes("1f1b", pp, microbatches)
+    check_sizes("1f1b", pp, microbatches)
     last = pp - 1
     ranks = []
     for r in range(pp):
@@ -252,18 +281,3 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
         ranks.append(tuple(actions))
     return Schedule("1f1b", pp, microbatches, tuple(ranks))
 
-
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
-
-
-def build(name: str, pp: int, microbatches: int) -> Schedule:
-    """The schedule ``name`` (a key of ``SCHEDULES``) for ``pp`` ranks and ``microbatches`` microbatches.
-
-    >>> build("1f1b", 2, 3).bubble() == 1 / 4
-    True
-    """
-    if name not in SCHEDULES:
-        raise sharding_error(
-            f"unknown pipeline schedule {name!r}", fix=f"use one of {sorted(SCHEDULES)}", cls=ScheduleError
-        )
-    return SCHEDULES[name](pp, microbatches)

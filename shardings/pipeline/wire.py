@@ -5,7 +5,9 @@ pytree carry of mixed dtypes (``(x, aux_losses)``) is still one ``isend``. The r
 beforehand from a shape-only (meta device) run of the stages on the first microbatch, so nothing but
 the payload crosses the wire. Sends are non-blocking (``isend``, awaited at the end of the step); each
 rank posts its next receive as soon as the previous one completed, so a message can land while the rank
-computes. Messages between two stages keep their order (one tag per direction and boundary).
+computes. Each message has its own tag (direction, boundary, microbatch), so a schedule may send a boundary's
+microbatches in any order. Between two stages on the same rank (the turn of ZB-V's V) nothing travels: the
+payload is handed over in process.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ class Wire:
 
     def __init__(self, schedule: Schedule, rank: int, group: Any, layouts: list[Template]):
         self.schedule, self.group, self.layouts = schedule, group, layouts
-        self.receives = [a for a in schedule.ranks[rank] if a.kind.startswith("RECV")]
+        self.rank = rank
+        self.receives = [a for a in schedule.ranks[rank] if a.kind.startswith("RECV") and not self._local(a)]
+        self.local: dict[tuple[str, int, int], Any] = {}  # (kind, receiving stage, mb) -> payload
         self.posted: tuple[tuple[str, int, int], torch.Tensor, Any] | None = None
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.p2p: list[Any] = []
@@ -105,9 +109,12 @@ class Wire:
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.schedule.rank_of(stage))
 
-    @staticmethod
-    def _tag(kind: str, boundary: int) -> int:
-        return 2 * boundary + (kind == "B")
+    def _local(self, recv: Any) -> bool:
+        sender = recv.stage - 1 if recv.kind == "RECV_F" else recv.stage + 1
+        return self.schedule.rank_of(sender) == self.rank
+
+    def _tag(self, kind: str, boundary: int, mb: int) -> int:
+        return 2 * (mb * self.schedule.stages + boundary) + (kind == "B")
 
     def _post_next(self) -> None:
         self.posted = None
@@ -116,13 +123,15 @@ class Wire:
             kind, boundary = a.kind[-1], a.stage - 1 if a.kind == "RECV_F" else a.stage
             buf = torch.empty(self.layouts[boundary].nbytes, dtype=torch.uint8)
             sender = a.stage - 1 if kind == "F" else a.stage + 1
-            work = dist.irecv(buf, src=self._peer(sender), group=self.group, tag=self._tag(kind, boundary))
+            work = dist.irecv(buf, src=self._peer(sender), group=self.group, tag=self._tag(kind, boundary, a.mb))
             self.posted = ((kind, a.stage, a.mb), buf, work)
 
     def ready(self, kind: str, stage: int, mb: int) -> bool:
         return True  # a receive blocks until its message arrives
 
     def recv(self, kind: str, stage: int, mb: int) -> Any:
+        if (kind, stage, mb) in self.local:
+            return self.local.pop((kind, stage, mb))
         key, buf, work = self.posted
         assert key == (kind, stage, mb), f"pipeline: expected to receive {key}, the program asks for {kind, stage, mb}"
         work.wait()
@@ -131,10 +140,15 @@ class Wire:
 
     def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:
         boundary = stage if kind == "F" else stage - 1
+        to = stage + 1 if kind == "F" else stage - 1
+        if self.schedule.rank_of(to) == self.rank:  # the next stage runs here too: hand it over
+            self.local[(kind, to, mb)] = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
+                                                         payload)
+            return
         flat = self.layouts[boundary].pack(payload)
         self.p2p.append(Message(kind, stage, mb, flat.numel()))
-        to = stage + 1 if kind == "F" else stage - 1
-        self.sends.append((dist.isend(flat, dst=self._peer(to), group=self.group, tag=self._tag(kind, boundary)), flat))
+        self.sends.append((dist.isend(flat, dst=self._peer(to), group=self.group,
+                                      tag=self._tag(kind, boundary, mb)), flat))
 
     def finish(self) -> None:
         for work, _ in self.sends:
