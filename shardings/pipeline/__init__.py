@@ -10,7 +10,7 @@ from shardings.pipeline.builders import SCHEDULES, build
 from shardings.pipeline.check import check
 from shardings.pipeline.execute import Result, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
-from shardings.pipeline.schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
+from shardings.pipeline.schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b, program
 from shardings.pipeline.stages import Split, Stages, split
 from shardings.pipeline.wire import Message
 from shardings.pipeline.zero_bubble import zb_h1, zb_v
@@ -30,6 +30,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "program",
     "run",
     "split",
     "zb_h1",
