@@ -13,7 +13,9 @@ directory itself):
   ``comm.png`` (comm bytes per step by kind per run);
 - ``layout_<i>.png`` for each run that wrote ``layout.json`` (``shardings.describe_layout``): per
   parameter group and role the spec, shaded by the share of the tensor a rank holds, beside the
-  step's collectives by kind × mesh axis.
+  step's collectives by kind × mesh axis;
+- ``gantt_planned_<i>.png`` and ``gantt_measured_<i>.png`` for each run that wrote
+  ``pipeline_timeline.json`` (``experiments.gantt.save``): each rank's F, B, W, sends/receives and idle time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
+
+from experiments import gantt
 
 __all__ = ["collect", "draw_layout", "jobs", "main", "write_report"]
 
@@ -200,7 +204,8 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
           "comm per step per rank")
     layouts = [draw_layout(json.loads(Path(r["dir"], "layout.json").read_text()), out / f"layout_{i}.png")
                for i, r in enumerate(runs) if Path(r["dir"], "layout.json").exists()]
-    return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")] + layouts
+    gantts = [p for i, r in enumerate(runs) for p in gantt.draw_run(r["dir"], out, i)]
+    return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")] + layouts + gantts
 
 
 def _counts(all_jobs: list[dict[str, Any]]) -> str:
