@@ -118,14 +118,28 @@ def jit(fn: Callable[..., Any] | None = None, **compile_kwargs: Any) -> Callable
     return torch.compile(fn, **compile_kwargs)
 
 
-def remat(fn: Callable[..., Any] | None = None, *, policy: Callable[..., Any] | None = None) -> Callable[..., Any]:
+def remat(fn: Callable[..., Any] | None = None, *,
+          policy: Callable[..., Any] | str | None = None) -> Callable[..., Any]:
     """Activation checkpointing: keep only ``fn``'s inputs, recompute its insides in backward.
 
     Usable as ``@remat`` or ``remat(block)(params, x)``. ``policy`` is an optional
-    ``torch.utils.checkpoint`` context factory for selective checkpointing.
+    ``torch.utils.checkpoint`` context factory for selective checkpointing, or ``"offload"``: recompute
+    nothing, keep everything ``fn`` saves for backward in host memory instead (``core.offload.saved_on_host``:
+    copied to the host in forward, back in backward; counted by ``shardings.comms()`` as ``d2h``/``h2d``).
     """
     if fn is None:
         return functools.partial(remat, policy=policy)
+    if policy == "offload":
+        from core.offload import saved_on_host
+
+        @functools.wraps(fn)
+        def offloaded(*args: Any, **kwargs: Any) -> Any:
+            with saved_on_host():
+                return fn(*args, **kwargs)
+
+        return offloaded
+    if isinstance(policy, str):
+        raise ValueError(f"core.remat: unknown policy {policy!r}. Fix: pass 'offload' or a checkpoint context factory.")
     extra = {"context_fn": policy} if policy is not None else {}
 
     @functools.wraps(fn)

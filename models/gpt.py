@@ -79,11 +79,13 @@ class Config:
     rope_theta: float = 10000.0  # RoPE base frequency (Llama 1/2 value; HF LlamaConfig default)
     norm_eps: float = 1e-5  # RMSNorm epsilon (Llama 2 value)
     tie_embeddings: bool = False  # reuse the embedding as the unembedding (no "unembed" param)
-    remat: bool = False  # activation checkpointing per block (core.remat): less memory, one more forward
+    remat: bool | str = False  # per block (core.remat): True recomputes in backward; "offload": saved on host
     init_std: float = 0.02  # std of weight init (GPT-2/Llama); output projections get / sqrt(2·layers)
     ignore_index: int = -100  # label value excluded from the loss (PyTorch/HF convention)
 
     def __post_init__(self) -> None:
+        if self.remat not in (True, False, "offload"):
+            raise ValueError(f"gpt.Config.remat must be True, False or 'offload', got {self.remat!r}")
         sizes = {"vocab": self.vocab, "dim": self.dim, "layers": self.layers, "heads": self.heads, "mlp": self.mlp}
         sizes |= {"seq_len": self.seq_len, "kv_heads": self.n_kv_heads}
         for name, value in sizes.items():
@@ -217,7 +219,7 @@ def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     x = embed(params, tokens)
     block = functools.partial(_block, cfg=cfg)
     if cfg.remat:
-        block = core.remat(block)
+        block = core.remat(block, policy="offload" if cfg.remat == "offload" else None)
     for p in params["blocks"]:
         x = block(p, x)
     return logits(params, x, cfg)
@@ -262,7 +264,7 @@ def stages(cfg: Config) -> Stages:
     """
     block = functools.partial(_block, cfg=cfg)
     if cfg.remat:
-        block = core.remat(block)
+        block = core.remat(block, policy="offload" if cfg.remat == "offload" else None)
     return Stages(first=lambda params, batch: embed(params, batch["tokens"]),
                   block=lambda p, x, i: block(p, x),
                   last=functools.partial(_head_loss, cfg=cfg), carry_names=lambda x: RESIDUAL)

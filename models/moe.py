@@ -309,7 +309,8 @@ def _carry_block(cfg: Config):
     """Block ``i`` on the carry ``(x, aux summed so far)``: dense or MoE by ``cfg.is_moe(i)``."""
     dense, sparse = functools.partial(gpt._block, cfg=cfg), functools.partial(_block, cfg=cfg)
     if cfg.remat:
-        dense, sparse = core.remat(dense), core.remat(sparse)
+        policy = "offload" if cfg.remat == "offload" else None
+        dense, sparse = core.remat(dense, policy=policy), core.remat(sparse, policy=policy)
 
     def block(p: Params, carry: tuple[torch.Tensor, Aux], i: int) -> tuple[torch.Tensor, Aux]:
         x, total = carry

@@ -28,6 +28,9 @@ chunk) on real CPU ranks, where DTensor avoids gloo's all-to-all. Collectives in
 (``torch.compile``) graphs are not seen. Building a ``DeviceMesh`` (first ``mesh.device_mesh``)
 may itself broadcast: build it before entering ``comms()`` to count only your step.
 
+Copies between the compute device and host memory (offloaded roles and activations, all made by
+``core.offload``) are rows too: kind ``d2h`` or ``h2d``, axis ``host``, the bytes one rank copies.
+
 A library op built from other collectives (``shard_map``'s ``ppermute`` over all-to-all or
 send/recv) reports itself once with :func:`recorded_as`, which also hides its insides.
 """
@@ -44,14 +47,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from core import tree
+from core import offload, tree
 from shardings.runtime.compat import LocalIntNode, LocalTensor, c10d_functional_op
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import axis_of_group
 
 __all__ = ["Comms", "comms", "memory", "recorded_as"]
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute", "broadcast", "scatter", "send")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute", "broadcast", "scatter", "send",
+         "d2h", "h2d")
 _RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "scatter": 1}  # × (n−1)/n
 
 Handler = Callable[..., tuple[str, Any, Fraction]]  # (*op args) -> (kind, group, bytes one rank sends)
@@ -264,7 +268,7 @@ def comms() -> Iterator[Comms]:
     report = Comms()
     _ACTIVE.append(report)
     try:
-        with _CommsMode(report):
+        with _CommsMode(report), offload.listening(lambda kind, nbytes: report.add(kind, "host", nbytes)):
             yield report
     finally:
         _ACTIVE.remove(report)

@@ -41,6 +41,7 @@ LOGICAL_NAMES = (
 DATA_AXES = ("dp", "fsdp")
 _REPLICATE_ALL = Rules([(n, None) for n in LOGICAL_NAMES])
 _ROLES = ("params", "compute", "grads", "opt_state", "batch", "activations")
+OFFLOADABLE = ("params", "opt_state")  # roles a layout may keep in host memory (Layout.host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,8 @@ class Layout:
         opt_state: where optimizer moments live; the update runs in this layout.
         batch: where input batch tensors go (names ``("batch", "seq")``).
         activations: what ``constrain`` resolves activation names with.
+        host: the roles that live in host memory (``"opt_state"``, ``"params"``): offloaded, as JAX's
+            ``memory_kind="pinned_host"`` (the ``offload_optimizer`` and ``offload_params`` presets).
         name: the preset names it was built from, for display.
     """
 
@@ -63,13 +66,20 @@ class Layout:
     opt_state: Rules = dataclasses.field(default_factory=Rules)
     batch: Rules = dataclasses.field(default_factory=Rules)
     activations: Rules = dataclasses.field(default_factory=Rules)
+    host: frozenset[str] = frozenset()
     name: str = ""
+
+    def __post_init__(self) -> None:
+        wrong = set(self.host) - set(OFFLOADABLE)
+        if wrong:
+            raise sharding_error(f"Layout(host={set(self.host)}): {sorted(wrong)} cannot live in host memory",
+                                 fix=f"offload roles among {OFFLOADABLE}")
 
     def __add__(self, other: Layout) -> Layout:
         if not isinstance(other, Layout):
             return NotImplemented
         tables = {r: getattr(self, r) + getattr(other, r) for r in _ROLES}
-        return Layout(**tables, name="+".join(n for n in (self.name, other.name) if n))
+        return Layout(**tables, host=self.host | other.host, name="+".join(n for n in (self.name, other.name) if n))
 
     def role(self, role: str) -> Rules:
         """The complete table for ``role``: its rules, then replication for every logical name."""
@@ -164,6 +174,9 @@ register("sp", Layout(activations=Rules([("seq", "tp")])), group="sp", needs=(("
 # the other presets inside each stage (shardings.step.pipeline_step).
 _PP = Rules([("layers", "pp")])
 register("pp", Layout(params=_PP, compute=_PP, grads=_PP, opt_state=_PP), group="pp", needs=(("pp",),), rank=30)
+# Offload: a role in host memory. Composes with every other preset (ZeRO-Offload is "zero2+offload_optimizer").
+register("offload_optimizer", Layout(host=frozenset({"opt_state"})), group="offload_optimizer", rank=90)
+register("offload_params", Layout(host=frozenset({"params"})), group="offload_params", rank=91)
 _ALIASES = {"fsdp": "zero3", "ddp": "dp"}
 
 

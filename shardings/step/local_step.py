@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from core import optim, tree
 from core.optim.fused import fusable
 from shardings.comm import flat_comm as fc
+from shardings.residency import offload as host
 from shardings.residency.gather_params import Regather
 from shardings.residency.lazy_params import Gathers
 from shardings.spec.layouts import LOGICAL_NAMES, Layout
@@ -258,7 +259,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
 
 def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_state: Any, grads: Sequence[Any],
-                  donate: bool = False) -> tuple[list[torch.Tensor], Any]:
+                  donate: bool = False, offload: bool = False) -> tuple[list[torch.Tensor], Any]:
     """An elementwise optimizer's update on each rank's blocks; returns ``(new blocks, new state)``.
 
     ``blocks`` are the local blocks of the parameters in the optimizer-state layout; ``grads`` and
@@ -267,12 +268,18 @@ def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_
     the blocks are plain (or LocalTensor) tensors, else its pure ``update`` (one foreach kernel per
     op); no DTensor dispatch either way. New state leaves are placed like the old ones.
 
+    ``offload``: ``opt_state`` lives in host memory; the blocks and gradients are copied there, updated there,
+    and the new blocks copied back (:mod:`shardings.residency.offload`).
+
     >>> blocks, state = update_blocks(adamw, treedef, [p.to_local() for p in leaves], state, grads)  # doctest: +SKIP
     """
     def unwrap(x: Any) -> Any:
         return x.to_local() if isinstance(x, DTensor) else x
 
     local_grads, local_state = tree.unflatten(treedef, [unwrap(g) for g in grads]), tree.map(unwrap, opt_state)
+    device = blocks[0].device if blocks else None
+    if offload:  # the update runs where the state lives: on the host
+        blocks, local_grads = [host.to_host(b) for b in blocks], host.to_host(local_grads)
     fused_step = getattr(optimizer, "fused_step", None)
     if fused_step is not None and fusable(blocks, local_state, local_grads):
         if not donate:
@@ -286,12 +293,15 @@ def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_
     def wrap(x: Any, like: Any) -> Any:  # a new state leaf, placed like the old one
         return fc.dtensor(x, like.device_mesh, like.placements, like) if isinstance(like, DTensor) else x
 
-    return tree.leaves(new), tree.map(wrap, new_state, opt_state)
+    new = tree.leaves(new)
+    if offload:
+        new = [host.to_device(x, device) for x in new]
+    return new, tree.map(wrap, new_state, opt_state)
 
 
 def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Sequence[DTensor], opt_state: Any,
           grads: Sequence[DTensor], targets: Sequence[Any], storage: Sequence[Any],
-          donate: bool = False) -> tuple[list[DTensor], Any]:
+          donate: bool = False, offload: bool = False) -> tuple[list[DTensor], Any]:
     """One update of an elementwise optimizer on local shards (:func:`update_blocks`); returns
     ``(params in storage layout, state)``. Parameters stored replicated whose state is sharded
     (ZeRO-1/2) are all-gathered back in buckets, one collective per bucket.
@@ -301,7 +311,7 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
     dm = mesh.device_mesh
     p_opt = [p.to_local() if lp.stored[i] is not None or lp.target[i] is None
              else p.redistribute(dm, targets[i]).to_local() for i, p in enumerate(params)]  # a local chunk, no comm
-    new, new_state = update_blocks(optimizer, treedef, p_opt, opt_state, grads, donate)
+    new, new_state = update_blocks(optimizer, treedef, p_opt, opt_state, grads, donate, offload)
     regather = [i for i in range(len(new)) if lp.stored[i] is None and lp.target[i] is not None]
     comm = fc.Comm(dm, lp.data_dims)
     for b in fc.buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):

@@ -33,16 +33,14 @@ import core
 from core import tree
 from shardings.comm import accounting, buckets, flat_comm
 from shardings.ops.module_tp import dtensor_errors
-from shardings.residency import gather_buckets
+from shardings.residency import gather_buckets, offload
 from shardings.residency.gather_params import regather_in_backward
-from shardings.runtime.simulate import per_rank, unwrap
+from shardings.runtime.simulate import unwrap
 from shardings.spec import layouts, lower
 from shardings.spec.context import use
-from shardings.spec.distribute import shard
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, P
-from shardings.spec.rules import logical_to_spec
-from shardings.step import local_step, mixed
+from shardings.step import batching, local_step, mixed
 from shardings.step.initialize import param_specs
 
 __all__ = ["TrainStep", "default_token_count", "train_step"]
@@ -94,6 +92,12 @@ class TrainStep:
         self.optimizer = core.optim.chain(self._clip, optimizer) if self._clip else optimizer
         self._plan: Plan | None = None
         self._grad_nbytes: int | None = None
+        self._offload_opt = "opt_state" in self.layout.host
+        if self._offload_opt and not getattr(optimizer, "elementwise", False):
+            raise sharding_error(
+                f"layout {self.layout.name!r} keeps the optimizer state in host memory, and the update runs there "
+                f"on each rank's blocks, which needs an elementwise optimizer; this one is not",
+                fix="use core.optim.adamw/adam/sgd (or drop offload_optimizer from the layout)", mesh=mesh)
 
     # -- planning ---------------------------------------------------------------------------------
     def plan(self, params: Any) -> Plan:
@@ -123,6 +127,8 @@ class TrainStep:
         self.plan(params)
         with torch.no_grad():
             state = self.optimizer.init(tree.unflatten(self._plan.treedef, self._to("opt_state", tree.leaves(params))))
+        if self._offload_opt:
+            state = offload.to_host(state)
         return mixed.Scaled(self.scaler.init(), state) if self.scaler is not None else state
 
     def loss_scale(self, opt_state: Any) -> torch.Tensor | None:
@@ -217,11 +223,13 @@ class TrainStep:
             if plan.local is not None:
                 new, inner_state = local_step.apply(plan.local, self.mesh, self._inner, plan.treedef, leaves,
                                                     inner_state, tree.leaves(grads), opt_pl,
-                                                    plan.placements["params"], donate=self.donate)
+                                                    plan.placements["params"], donate=self.donate,
+                                                    offload=self._offload_opt)
             else:
                 p_opt = self._to("opt_state", leaves)
                 blocks, inner_state = local_step.update_blocks(self._inner, plan.treedef, [p.to_local() for p in p_opt],
-                                                               inner_state, tree.leaves(grads), self.donate)
+                                                               inner_state, tree.leaves(grads), self.donate,
+                                                               self._offload_opt)
                 dm = self.mesh.device_mesh
                 new = self._to("params", [flat_comm.dtensor(x, dm, pl, p) for x, p, pl in zip(blocks, p_opt, opt_pl)])
         state = (opt_state[0], inner_state) if self._clip is not None else inner_state
@@ -232,9 +240,13 @@ class TrainStep:
         self.mesh.device_mesh  # noqa: B018  (no process group: say so first, not comms()'s complaint)
         # Counted: the step's own communication. Metrics (norm, loss, tokens) are reduced after it.
         with accounting.comms() if self.count_comms else contextlib.nullcontext() as c:
+            if "params" in self.layout.host:  # they live on the host between steps (offload_params)
+                params = offload.to_device(params, self.mesh.device_mesh.device_type)
             scale = self.loss_scale(opt_state)
             loss, grads, tokens = self.grads(params, batch) if scale is None else self.grads(params, batch, scale)
             new_params, new_state = self.apply(params, opt_state, grads)
+            if "params" in self.layout.host:
+                new_params = offload.to_host(new_params)
         metrics = {
             "loss": _scalar(loss),
             "grad_norm": _scalar(self._grad_norm(grads)),
@@ -246,6 +258,8 @@ class TrainStep:
                 "compute": self._compute_copy_bytes(new_params),
                 "grads": self._grad_bytes(params, grads),
                 "opt_state": accounting.memory(new_state),
+                "host": sum(accounting.memory(t) for r, t in (("params", new_params), ("opt_state", new_state))
+                            if r in self.layout.host),
             },
         }
         return new_params, new_state, metrics
@@ -294,49 +308,10 @@ class TrainStep:
         return [self.cast.to_compute(x) for x in leaves]
 
     def _place_batch(self, batch: Any) -> Any:
-        rules = self.layout.role("batch")
-
-        def place(path, x):
-            names = ("batch", "seq", *([None] * (x.ndim - 2)))[: x.ndim]
-            spec = logical_to_spec(names, rules, self.mesh, path=path)
-            if x.ndim == 0 or x.shape[0] % (self.mesh.axis_size(spec.dim_axes()[0]) * self.accum_steps):
-                raise sharding_error(
-                    f"batch size {x.shape[0] if x.ndim else 0} is not divisible by "
-                    f"{self.mesh.axis_size(spec.dim_axes()[0] if x.ndim else None)} data-parallel ranks × "
-                    f"{self.accum_steps} accumulation steps",
-                    fix="use a global batch size that is a multiple of data-parallel ranks × accum_steps",
-                    path=path, spec=spec, shape=x.shape, mesh=self.mesh,
-                )
-            if isinstance(x, DTensor):
-                return x.redistribute(self.mesh.device_mesh, lower.to_placements(spec, self.mesh, x.ndim))
-            ranks = per_rank(x)
-            if any(r.shape != ranks[0].shape or not torch.equal(r, ranks[0]) for r in ranks[1:]):
-                raise sharding_error(
-                    "the batch holds different values on different simulated ranks (a random op inside "
-                    "shardings.simulate() draws its own stream on each rank), so it is not one global batch",
-                    fix="build the batch before entering shardings.simulate()", path=path, spec=spec, mesh=self.mesh,
-                )
-            return shard(x, spec, self.mesh)
-
-        return tree.map_with_path(place, batch)
+        return batching.place(batch, self.layout, self.mesh, self.accum_steps)
 
     def _microbatches(self, batch: Any) -> list[Any]:
-        k = self.accum_steps
-        if k == 1:
-            return [batch]
-
-        def split(x: DTensor) -> list[DTensor]:
-            # Each rank splits its own rows, so microbatching never moves data between ranks.
-            shape = (x.shape[0] // k, *x.shape[1:])
-            stride = torch.empty(shape, device="meta").stride()
-            return [
-                DTensor.from_local(part, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride)
-                for part in x.to_local().chunk(k)
-            ]
-
-        leaves, treedef = tree.flatten(batch)
-        parts = [split(x) for x in leaves]
-        return [tree.unflatten(treedef, [p[i] for p in parts]) for i in range(k)]
+        return batching.split(batch, self.accum_steps)
 
 
 def _recorded_axes(params: Any) -> Any:

@@ -1,0 +1,71 @@
+"""The batch of a train step: placed by the layout's ``batch`` rules, split into microbatches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from core import tree
+from shardings.runtime.simulate import per_rank
+from shardings.spec import lower
+from shardings.spec.distribute import shard
+from shardings.spec.errors import sharding_error
+from shardings.spec.mesh import Mesh
+from shardings.spec.rules import logical_to_spec
+
+__all__ = ["place", "split"]
+
+
+def place(batch: Any, layout: Any, mesh: Mesh, accum_steps: int) -> Any:
+    """Every leaf of the global ``batch`` placed by the layout's ``batch`` rules (names ``("batch", "seq")``).
+
+    Raises:
+        ShardingError: a batch size that is not a multiple of data-parallel ranks × ``accum_steps``, or a
+            batch whose values differ between simulated ranks; naming the leaf, the spec and the mesh.
+    """
+    rules = layout.role("batch")
+
+    def place(path, x):
+        names = ("batch", "seq", *([None] * (x.ndim - 2)))[: x.ndim]
+        spec = logical_to_spec(names, rules, mesh, path=path)
+        if x.ndim == 0 or x.shape[0] % (mesh.axis_size(spec.dim_axes()[0]) * accum_steps):
+            raise sharding_error(
+                f"batch size {x.shape[0] if x.ndim else 0} is not divisible by "
+                f"{mesh.axis_size(spec.dim_axes()[0] if x.ndim else None)} data-parallel ranks × "
+                f"{accum_steps} accumulation steps",
+                fix="use a global batch size that is a multiple of data-parallel ranks × accum_steps",
+                path=path, spec=spec, shape=x.shape, mesh=mesh,
+            )
+        if isinstance(x, DTensor):
+            return x.redistribute(mesh.device_mesh, lower.to_placements(spec, mesh, x.ndim))
+        ranks = per_rank(x)
+        if any(r.shape != ranks[0].shape or not torch.equal(r, ranks[0]) for r in ranks[1:]):
+            raise sharding_error(
+                "the batch holds different values on different simulated ranks (a random op inside "
+                "shardings.simulate() draws its own stream on each rank), so it is not one global batch",
+                fix="build the batch before entering shardings.simulate()", path=path, spec=spec, mesh=mesh,
+            )
+        return shard(x, spec, mesh)
+
+    return tree.map_with_path(place, batch)
+
+
+def split(batch: Any, k: int) -> list[Any]:
+    """The placed ``batch`` as ``k`` microbatches: each rank splits its own rows (no data moves)."""
+    if k == 1:
+        return [batch]
+
+    def parts_of(x: DTensor) -> list[DTensor]:
+        # Each rank splits its own rows, so microbatching never moves data between ranks.
+        shape = (x.shape[0] // k, *x.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return [
+            DTensor.from_local(part, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride)
+            for part in x.to_local().chunk(k)
+        ]
+
+    leaves, treedef = tree.flatten(batch)
+    parts = [parts_of(x) for x in leaves]
+    return [tree.unflatten(treedef, [p[i] for p in parts]) for i in range(k)]
