@@ -94,15 +94,21 @@ def _check_sharded_init(model, mesh, layout):
         full = [per_rank(x) for x in tree.leaves(gather(params))]
     coords = rank_coords(mesh)
     ref_leaves = tree.leaves(ref)
-    assert len(calls) == mesh.size * len(ref_leaves)  # each rank asked each recipe once, for its own block
+    # each distinct block of each recipe drawn once (ranks holding the same block share the draw), no bigger
+    firsts = []  # per leaf: the first rank holding each distinct block
+    for r, spec in zip(ref_leaves, specs):
+        keys = [tuple((b.start, b.stop) for b in local_block(r.shape, spec, mesh, c)) for c in coords]
+        firsts.append([rank for rank, k in enumerate(keys) if k not in keys[:rank]])
+    assert len(calls) == sum(map(len, firsts))
+    at = 0
     for i, (r, spec, (got_spec, placements, shards), gathered) in enumerate(zip(ref_leaves, specs, placed, full)):
         assert got_spec.normalized() == spec.normalized()  # stored as the layout's params role says
         assert placements == to_placements(spec, mesh, r.shape)
         assert all(torch.equal(g, r) for g in gathered)  # bitwise, on every rank
         blocks = [local_block(r.shape, spec, mesh, c) for c in coords]
         assert all(torch.equal(s, r[b]) for s, b in zip(shards, blocks, strict=True))
-        mine = calls[i * mesh.size : (i + 1) * mesh.size]
-        assert [c.block for c in mine] == [tuple(s.shape) for s in shards]
+        mine, at = calls[at : at + len(firsts[i])], at + len(firsts[i])
+        assert [c.block for c in mine] == [tuple(shards[rank].shape) for rank in firsts[i]]
         for c in mine:
             assert c.shape == tuple(r.shape)
             rows = max(math.prod(c.block[:-1]), 1)
