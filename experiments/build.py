@@ -2,7 +2,8 @@
 
 :func:`build` does all the checking a run can do without a process group — model config, layout
 presets, mesh axes, world size, divisibility of heads/batch/sequence, and with ``pp`` the pipeline
-(presets it composes with, schedule, microbatches, blocks per stage, simulated ranks) — so a bad
+(presets it composes with, schedule, microbatches, blocks per stage, simulated ranks), the precision
+policy and what is offloaded to host memory (``offload``: layout presets or the model's ``remat``) — so a bad
 combination fails at start, with one message, before any process is started.
 """
 
@@ -48,6 +49,7 @@ class Setup(NamedTuple):
     microbatches: int = 1  # per step: accum_steps, or with pp the pipeline's (pipeline.microbatches resolved)
     schedule: str | None = None  # with pp: the pipeline schedule (gpipe | 1f1b); None without pp
     stage_sizes: list[int] | None = None  # with pp: blocks per stage (None: balanced by parameter count)
+    precision: core.precision.Policy | None = None  # None: fp32 throughout (no policy)
 
 
 def loss(setup: Setup) -> Callable[[Any, Any], Any]:
@@ -106,6 +108,12 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     Mesh(dp=4)
     """
     module, model_cfg = _model(cfg.model)
+    offload = cfg.get("offload") or {}
+    if offload.get("activations"):
+        model_cfg = _offload_activations(module, model_cfg)
+    precision = _precision(cfg.get("precision"))
+    hosted = [f"offload_{role}" for role in ("optimizer", "params") if offload.get(role)]
+    layout_name = "+".join([cfg.layout.name, *(h for h in hosted if h not in cfg.layout.name.split("+"))])
     data = cfg.get("data")
     batch_size = batch_size if batch_size is not None else data.batch_size
     seq_len = seq_len or (data.seq_len if data is not None else None) or model_cfg.seq_len
@@ -113,7 +121,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     pipe = cfg.get("pipeline") or {}
     schedule = _schedule(pipe.get("schedule", "1f1b"))
     try:
-        layout = layouts.get(cfg.layout.name)
+        layout = layouts.get(layout_name)
         mesh = Mesh(dict(cfg.mesh.sizes))
         if "runtime" in cfg:
             _world_size(cfg.runtime, mesh)
@@ -128,7 +136,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         batch = logical_to_spec(("batch", "seq"), layout.role("batch"), mesh)
         acts = logical_to_spec(("batch", "seq", "embed"), layout.role("activations"), mesh)
     except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
-        raise ConfigError(f"layout={cfg.layout.name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
+        raise ConfigError(f"layout={layout_name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
     sizes = list(pipe.get("stage_sizes") or []) or None
     if pp:
         _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"), sizes)
@@ -140,7 +148,31 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
                f"{dp} data-parallel ranks × {accum} accumulation steps")
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
-    return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None, sizes if pp else None)
+    return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None, sizes if pp else None,
+                 precision)
+
+
+def _precision(conf: Any) -> core.precision.Policy | None:
+    """The ``precision`` group's policy; ``None`` when everything is float32 and nothing is scaled (the reference)."""
+    if conf is None:
+        return None
+    text = f"params={conf.params},compute={conf.compute},reduce={conf.reduce}"
+    try:
+        policy = core.precision.Policy.from_string(text)
+    except ValueError as e:
+        raise ConfigError(f"precision: {e}") from None
+    if conf.loss_scale is not None:
+        policy = dataclasses.replace(policy, loss_scale=core.precision.DynamicLossScale() if conf.loss_scale else None)
+    return None if policy == core.precision.Policy() or policy == core.precision.Policy(loss_scale=None) else policy
+
+
+def _offload_activations(module: ModuleType, model_cfg: Any) -> Any:
+    """``offload.activations``: the model's blocks save their activations to host memory (``remat="offload"``)."""
+    if "remat" not in {f.name for f in dataclasses.fields(model_cfg)}:
+        raise ConfigError(f"offload=activations: model {module.__name__} has no remat setting to offload its "
+                          "saved activations with. Fix: use a model with one (gpt_tiny, gpt_small, moe_tiny), "
+                          "or offload=none.")
+    return dataclasses.replace(model_cfg, remat="offload")
 
 
 def _schedule(name: str) -> str:

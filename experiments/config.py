@@ -10,6 +10,11 @@ Groups (pick one member each on the command line, ``group=member``):
 - ``optim``: ``adamw``, ``sgd``. ``data``: ``stdlib`` (the Python standard library's source, as
   bytes), ``random`` (uniform bytes: nothing to learn, for throughput). ``runtime``: ``simulate``,
   ``multiprocess``, ``torchrun``.
+- ``precision``: ``fp32`` (default), ``bf16`` (fp32 master weights and reduction, bf16 compute),
+  ``fp16`` (the same in fp16, with dynamic loss scaling) — a ``core.precision.Policy``.
+- ``offload``: ``none`` (default), ``optimizer`` (optimizer state and update in host memory: the layout
+  gains ``+offload_optimizer``), ``params`` (``+offload_params``), ``activations`` (the model's
+  ``remat="offload"``: saved activations go to host memory until backward).
 
 A layout with ``pp`` (``layout=dp+pp mesh=dp2_pp2``) pipelines the model's blocks over
 the mesh axis ``pp``; the ``pipeline`` node (not a group: set its fields) picks the schedule and the
@@ -37,14 +42,18 @@ from shardings.spec import layouts
 __all__ = [
     "MESHES",
     "MODELS",
+    "OFFLOADS",
+    "PRECISIONS",
     "CheckpointConf",
     "DataConf",
     "EquivalenceConf",
     "LayoutConf",
     "MeshConf",
     "ModelConf",
+    "OffloadConf",
     "OptimConf",
     "PipelineConf",
+    "PrecisionConf",
     "RuntimeConf",
     "TrainConf",
     "layout_names",
@@ -129,6 +138,25 @@ class PipelineConf:
     stage_sizes: list[int] | None = None  # blocks per stage, e.g. [3, 1]; null -> balanced by parameter count
 
 
+@dataclass
+class PrecisionConf:
+    """A ``core.precision.Policy``: the dtype params are stored and updated in, computed in, and reduced in."""
+
+    params: str = "float32"  # master weights (what the optimizer updates)
+    compute: str = "float32"  # forward and backward; each rank casts its own blocks before any gather
+    reduce: str = "float32"  # gradient reduce-scatter/all-reduce and accumulation
+    loss_scale: bool | None = None  # null: dynamic loss scaling exactly when compute is float16; true/false forces it
+
+
+@dataclass
+class OffloadConf:
+    """What lives in host memory (each member sets one; ``offload.params=true`` adds another)."""
+
+    optimizer: bool = False  # optimizer state, and its update runs on the host (ZeRO-Offload): +offload_optimizer
+    params: bool = False  # parameters between steps: +offload_params
+    activations: bool = False  # activations saved for backward (the model's remat="offload")
+
+
 # `_self_` first: the group members override the dataclass fields' placeholder defaults.
 _TRAIN_DEFAULTS = [
     "_self_",
@@ -138,6 +166,8 @@ _TRAIN_DEFAULTS = [
     {"optim": "adamw"},
     {"data": "stdlib"},
     {"runtime": "multiprocess"},
+    {"precision": "fp32"},
+    {"offload": "none"},
 ]
 
 
@@ -154,6 +184,8 @@ class TrainConf:
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
+    precision: PrecisionConf = field(default_factory=PrecisionConf)
+    offload: OffloadConf = field(default_factory=OffloadConf)
     steps: int = 60  # optimizer steps: enough for the loss to fall from ln(256)≈5.5 to ~3 on 2 cores
     accum_steps: int = 1  # microbatches per step
     seed: int = 0  # parameter init key
@@ -211,6 +243,17 @@ MESHES: dict[str, dict[str, int]] = {
 _DATA = {"stdlib": DataConf(), "random": DataConf(source="random")}
 _OPTIM = {"adamw": OptimConf(), "sgd": OptimConf(name="sgd", lr=0.1, weight_decay=0.0)}
 _RUNTIMES = {k: RuntimeConf(kind=k) for k in ("simulate", "multiprocess", "torchrun")}
+PRECISIONS: dict[str, PrecisionConf] = {
+    "fp32": PrecisionConf(),  # no policy: the reference, what `make train` runs
+    "bf16": PrecisionConf(compute="bfloat16"),  # Policy.bf16_mixed(): FSDP2's MixedPrecisionPolicy(bf16, fp32)
+    "fp16": PrecisionConf(compute="float16"),  # Policy.fp16_mixed(): DeepSpeed's fp16 with loss_scale 0 (dynamic)
+}
+OFFLOADS: dict[str, OffloadConf] = {
+    "none": OffloadConf(),
+    "optimizer": OffloadConf(optimizer=True),
+    "params": OffloadConf(params=True),
+    "activations": OffloadConf(activations=True),
+}
 
 
 def layout_names() -> list[str]:
@@ -279,7 +322,8 @@ def register(overrides: Sequence[str] = ()) -> ConfigStore:
         cs.store(group="layout", name=name, node=LayoutConf(name=name))
     for name, sizes in MESHES.items():
         cs.store(group="mesh", name=name, node=MeshConf(sizes=dict(sizes)))
-    for group, members in (("optim", _OPTIM), ("data", _DATA), ("runtime", _RUNTIMES)):
+    for group, members in (("optim", _OPTIM), ("data", _DATA), ("runtime", _RUNTIMES), ("precision", PRECISIONS),
+                           ("offload", OFFLOADS)):
         for name, node in members.items():
             cs.store(group=group, name=name, node=node)
     cs.store(name="train", node=TrainConf)

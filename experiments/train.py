@@ -5,14 +5,16 @@ With no arguments: ``gpt_tiny`` on the standard library's source bytes, layout `
 
     python -m experiments.train model=gpt_small layout=zero3+tp+sp mesh=fsdp2_tp2 steps=200
     python -m experiments.train -m layout=dp,zero3,zero3+tp+sp mesh=dp4,dp2_tp2   # a sweep
+    python -m experiments.train -m precision=fp32,bf16 offload=none,optimizer        # mixed precision, offload
     torchrun --nnodes 2 --nproc-per-node 4 ... -m experiments.train runtime=torchrun mesh=dp2_fsdp2_tp2
 
 Each run's directory (Hydra's) gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
-step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position; with ``pp``
+step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per rank, data position; under fp16
+``loss_scale`` (the scale the next step uses) and ``skipped_steps`` (so far); with ``pp``
 also ``pipeline``: schedule, microbatches, planned bubble, saved-activation peaks per rank, and on real
 processes the measured bubble per rank),
-``summary.json``, ``layout.json`` (``shardings.describe_layout``: every parameter group's spec per
-role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
+``summary.json`` (with the precision policy), ``layout.json`` (``shardings.describe_layout``: every parameter
+group's spec per role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
 experiments.report <multirun dir>`` compares the runs of a sweep.
 
 A layout with ``pp`` pipelines the model's blocks (its ``stages``) over the mesh axis ``pp`` (each real
@@ -55,6 +57,7 @@ from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
 from shardings import checkpoint
 from shardings.runtime.compat import maybe_disable_local_tensor_mode
+from shardings.runtime.simulate import unwrap
 from shardings.step.initialize import init as sharded_init
 from shardings.step.train_step import train_step
 
@@ -76,7 +79,16 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _record(step: int, metrics: dict[str, Any], seconds: float, state: DataState) -> dict[str, Any]:
+def _loss_scale(step: Any, opt_state: Any) -> dict[str, Any]:
+    """Under fp16's dynamic loss scaling: the scale the next step uses and the steps skipped so far (else nothing)."""
+    if getattr(step, "scaler", None) is None:
+        return {}
+    skipped = opt_state.loss_scale.skipped
+    return {"loss_scale": float(unwrap(step.loss_scale(opt_state))), "skipped_steps": int(unwrap(skipped))}
+
+
+def _record(step: int, metrics: dict[str, Any], seconds: float, state: DataState,
+            scaling: dict[str, Any]) -> dict[str, Any]:
     memory = metrics["memory"]
     return {
         "step": step,
@@ -90,6 +102,7 @@ def _record(step: int, metrics: dict[str, Any], seconds: float, state: DataState
         "memory": memory,
         "memory_per_rank": sum(memory.values()),
         "data_position": state.position,
+        **scaling,  # loss_scale, skipped_steps (fp16)
         **({"pipeline": metrics["pipeline"]} if "pipeline" in metrics else {}),  # schedule, bubble_planned, ...
     }
 
@@ -139,7 +152,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
                           stage_sizes=setup.stage_sizes)
     step = train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh, axes=axes,
                       microbatches=setup.microbatches, schedule=setup.schedule or "1f1b", clip_norm=cfg.optim.clip_norm,
-                      stage_sizes=setup.stage_sizes, donate=True)  # the loop never reads a step's inputs again
+                      stage_sizes=setup.stage_sizes, precision=setup.precision,
+                      donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):
@@ -175,7 +189,7 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
             else:
                 batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
             params, opt_state, metrics = step(params, opt_state, batch)
-            records.append(_record(i, metrics, time.perf_counter() - t0, data_state))
+            records.append(_record(i, metrics, time.perf_counter() - t0, data_state, _loss_scale(step, opt_state)))
             if log is not None:
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
@@ -206,6 +220,7 @@ def _summary(records: list[dict[str, Any]], setup: Any) -> dict[str, Any]:
     return {
         "layout": setup.layout.name,
         "mesh": setup.mesh.shape,
+        "precision": str(setup.precision or core.precision.Policy()),
         "steps": len(records),
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
