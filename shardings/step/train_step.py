@@ -379,6 +379,11 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     kw = dict(axes=axes, clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
               count_comms=count_comms, donate=donate)
     if has_pp(layout):
+        if precision is not None and precision != precision.fp32():
+            raise sharding_error(
+                f"train_step: precision={precision} with {layouts.get(layout).name!r}: the pipeline step does not "
+                "cast, reduce in another dtype or scale the loss yet",
+                fix="drop pp from the layout for mixed precision, or train the pipeline in fp32", mesh=mesh)
         m = microbatches or (accum_steps if accum_steps > 1 else mesh.axis_size("pp"))
         return PipelineStep(loss_fn, optimizer, layout=layout, mesh=mesh, microbatches=m, schedule=schedule,
                             stage_sizes=stage_sizes, **kw)
