@@ -155,7 +155,8 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     """
     from shardings.spec.layouts import _PRESETS  # the registry, presets in registration order
 
-    presets = presets or tuple(_PRESETS)
+    # presets without rules (offload_*: they move a role to host memory, not a name to an axis) have no column
+    presets = presets or tuple(p for p in _PRESETS if any(getattr(_PRESETS[p].layout, r).names for r in _ROLE_LETTERS))
     names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS
                                for n in getattr(_PRESETS[p].layout, role).names))
     from shardings.spec.layouts import LOGICAL_NAMES
