@@ -187,6 +187,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "                    pass",
            "on real ranks the embedding/head gradients are not summed over the stages",
            ("tests/shardings/pipeline/test_train_step_real.py::test_real_ranks_equal_one_device",)),
+    Mutant("pp-zero3-not-gathered-once", "shardings/step/pipeline_step.py",
+           "compute = tree.unflatten(plan.treedef, self._gather_once(params))",
+           "compute = params",
+           "ZeRO-3 in a stage hands the schedule the stored shards: every microbatch's ops gather them again",
+           ("tests/shardings/pipeline/test_compose.py::test_zero3_in_a_stage_gathers_once_per_step",)),
     # -- MoE: router and capacity -----------------------------------------------------------------------
     Mutant("moe-capacity-floor", "models/moe.py",
            "return min(seq, math.ceil(cfg.capacity_factor * seq * cfg.top_k / cfg.experts))",

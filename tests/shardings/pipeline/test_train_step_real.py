@@ -19,7 +19,8 @@ THREE = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_l
     (["pp"], Mesh(pp=4), FIVE, "1f1b"),
     (["dp+pp"], Mesh(dp=2, pp=2), THREE, "gpipe"),
     (["tp+sp+pp"], Mesh(dp=2, pp=2, tp=2), THREE, "1f1b"),
-], ids=["pp4", "dp2xpp2", "dp2xpp2xtp2"])
+    (["zero3+pp"], Mesh(dp=2, pp=2), THREE, "1f1b"),  # gathered once per step; other stages' blocks not gathered
+], ids=["pp4", "dp2xpp2", "dp2xpp2xtp2", "zero3-dp2xpp2"])
 def test_real_ranks_equal_one_device(layouts, mesh, cfg, schedule):
     batch = models.gpt.example_batch(cfg, 8, with_ignored=True)
     check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch, layouts=layouts, mesh=mesh,
