@@ -24,10 +24,11 @@ in fp32 and round once, and the sums over ranks and microbatches run in the redu
 differ by a few roundings of each *result*, not by rounding noise growing with the sum's length; √terms
 (11 for 128 tokens) would let a 2× error through. Why 8: across the layouts of
 ``tests/shardings/test_mixed_precision.py`` (dp, ZeRO-1/2/3, tp, sp, cp, ep, with accumulation and clipping,
-3 AdamW steps) the worst comparison used 0.35 of it in bf16 and 0.55 in fp16 (fp16 rounds 8× finer, but its
-loss scale and the fp32 parts weigh more). What it cannot see: an error below a few percent in bf16; the same
-layouts in fp32 (the rule above) catch a 1% error, and a wrong reduction (a rank's share missing, a sum
-taken twice) is ≥ 50% and fails in bf16 too.
+3 AdamW steps) the worst comparison used 0.51 of it in bf16 and 0.78 in fp16 (fp16 rounds 8× finer, but the
+fp32 parts of the step weigh more against its smaller eps): the params after AdamW, whose m/√v turns a
+gradient's rounding near zero into a learning-rate-sized step. What it cannot see: an error below a few
+percent in bf16; the same layouts in fp32 (the rule above) catch a 1% error, and a wrong reduction (a
+rank's share missing, a sum taken twice) is ≥ 50% and fails in bf16 too.
 
 The rule stays strict: a one-ulp difference in every element passes, and a 1e-3 relative error
 in one element of a tensor's typical magnitude fails (``tests/shardings/test_tolerance.py``), so

@@ -34,9 +34,15 @@ def _check(layouts, mesh, precision, cfg=CFG, model=gpt, batch=BATCH, **kw):
     return report
 
 
-@pytest.mark.parametrize("policy", [BF16, BF16_REDUCE, BF16_ALL, FP16], ids=str)
-def test_data_and_tensor_parallel_layouts_match_the_reference_under_the_same_policy(policy):
-    _check(["dp", "zero1", "zero2", "zero3", "zero2+tp", "zero3+tp+sp"], Mesh(dp=2, tp=2), policy)
+@pytest.mark.parametrize(("policy", "layouts"), [
+    (BF16, ["dp", "zero1", "zero2", "zero3", "zero2+tp", "zero3+tp+sp"]),
+    (BF16_REDUCE, ["zero2", "zero3+tp+sp"]),  # fp32 compute, bf16 reduction: the gradients' rounding alone
+    (BF16_ALL, ["dp", "zero3"]),
+    (FP16, ["zero1", "zero3", "zero2+tp"]),  # with the loss scale (2**16) on both sides
+], ids=lambda v: str(v) if isinstance(v, Policy) else "+".join(v))
+def test_data_and_tensor_parallel_layouts_match_the_reference_under_the_same_policy(policy, layouts):
+    report = _check(layouts, Mesh(dp=2, tp=2), policy)
+    assert max(r.used for r in report.rows) > 0.05  # the rule is not so loose that nothing registers
 
 
 @pytest.mark.parametrize(("layout", "mesh"), [
