@@ -24,6 +24,7 @@ T_LOCAL = ("tests/shardings/test_local_step.py::"
            "test_local_path_matches_the_single_device_reference_with_accumulation_clipping_and_small_buckets")
 T_RING = "tests/shardings/test_ring_attention.py"
 T_KERNELS = "tests/shardings/test_attention_kernels.py"
+T_MP = "tests/shardings/test_mixed_precision.py"
 T_SCHEDULE = "tests/shardings/pipeline/test_schedule.py"
 T_PIPE = "tests/shardings/pipeline/test_execute.py"
 T_RULES = "tests/shardings/test_rules.py"
@@ -243,6 +244,28 @@ MUTANTS: tuple[Mutant, ...] = (
            "return torch.empty(x.shape, dtype=x.dtype)",
            "a load on real ranks reads every tensor whole into a plain tensor instead of each rank's shards",
            (f"{T_CKPT}::test_resharding_matrix_across_layouts_meshes_world_sizes_and_one_device",)),
+    # -- mixed precision and offload ---------------------------------------------------------------------
+    Mutant("mp-gather-before-cast", "shardings/step/local_step.py",
+           "return fc.launch_gather(self.comm, [self.cast.to_compute(self.shards[i].detach()) for i in b],",
+           "return fc.launch_gather(self.comm, [self.shards[i].detach() for i in b],",
+           "ZeRO-3 gathers the fp32 shards and casts after: the gather moves twice the bytes",
+           (f"{T_MP}::test_zero3_gathers_compute_dtype_bytes_and_reduces_in_the_reduce_dtype",)),
+    Mutant("mp-reduce-in-compute-dtype", "shardings/step/local_step.py",
+           "else owner.cast.to_reduce(g)",
+           "else g",
+           "a ZeRO-3 bucket's gradients are reduce-scattered in the compute dtype, not the reduce dtype",
+           (f"{T_MP}::test_zero3_gathers_compute_dtype_bytes_and_reduces_in_the_reduce_dtype",)),
+    Mutant("mp-skip-ignores-inf", "shardings/step/mixed.py",
+           "return float(unwrap(flag)) == 0.0",
+           "return True",
+           "fp16 loss scaling never sees a non-finite gradient: the step is applied and the scale never drops",
+           (f"{T_MP}::test_fp16_skips_a_step_with_an_inf_gradient_on_one_rank_and_halves_the_scale",)),
+    Mutant("offload-grads-stay-on-device", "shardings/step/local_step.py",
+           "blocks, local_grads = [host.to_host(b) for b in blocks], host.to_host(local_grads)",
+           "blocks = [host.to_host(b) for b in blocks]",
+           "with the optimizer offloaded, the host update reads the gradients where they are, on the device",
+           ("tests/shardings/test_offload.py::test_offloaded_layouts_equal_their_device_twins_bitwise_and_move_"
+            "exactly_their_bytes",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
