@@ -1,4 +1,4 @@
-"""``python -m experiments.report <multirun dir> [--out DIR]``: a sweep's runs side by side.
+"""``python -m experiments.report <multirun dir>... [--out DIR]``: a sweep's runs side by side.
 
 Finds every job of the sweep under the directory (a folder Hydra gave ``.hydra/``, or one with a
 ``summary.json``) and its status from ``status.json``: ``ran``, ``skipped`` (an impossible
@@ -9,8 +9,8 @@ directory itself):
 - ``report.md`` and ``report.csv``: one row per run — its overrides, layout, mesh, steps, final
   loss, tokens/s, comm bytes per step by collective kind, memory per rank (params, grads, optimizer
   state, total);
-- ``loss.png`` (loss curves overlaid), ``memory.png`` (stacked memory per rank per run) and
-  ``comm.png`` (comm bytes per step by kind per run);
+- ``loss.png`` (loss curves overlaid, and each run's difference to the first: :func:`loss_curves`),
+  ``memory.png`` (stacked memory per rank per run) and ``comm.png`` (comm bytes per step by kind per run);
 - ``layout_<i>.png`` for each run that wrote ``layout.json`` (``shardings.describe_layout``): per
   parameter group and role the spec, shaded by the share of the tensor a rank holds, beside the
   step's collectives by kind × mesh axis;
@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 
 from experiments import gantt
 
-__all__ = ["collect", "draw_layout", "jobs", "main", "write_report"]
+__all__ = ["collect", "draw_layout", "jobs", "loss_curves", "main", "write_report"]
 
 _MEMORY = ("params", "grads", "opt_state")
 
@@ -170,6 +170,35 @@ def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
     return Path(path)
 
 
+def loss_curves(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """One PNG of the runs' loss curves; below them, each run's loss minus the first run's, step by step.
+
+    The lower panel is what a comparison of e.g. ``precision=fp32,bf16`` on one layout is about: it shows
+    differences far below the curves' own scale. Runs are :func:`collect`'s (label and per-step records).
+
+    >>> loss_curves(collect("multirun/2024-01-01/12-00-00"), "loss.png")  # doctest: +SKIP
+    """
+    curves = [({x["step"]: x["loss"] for x in r["records"]}, r["label"]) for r in runs]
+    fig, axes = plt.subplots(2 if len(runs) > 1 else 1, 1, figsize=(7, 6 if len(runs) > 1 else 4), sharex=True,
+                             squeeze=False, gridspec_kw={"height_ratios": [2, 1]} if len(runs) > 1 else None)
+    for losses, label in curves:
+        axes[0, 0].plot(list(losses), list(losses.values()), label=label)
+    axes[0, 0].set(ylabel="loss", title="training loss")
+    axes[0, 0].legend(fontsize="small")
+    (first, first_label), diff = curves[0], axes[-1, 0]
+    for losses, label in curves[1:]:
+        steps = [s for s in losses if s in first]
+        diff.plot(steps, [losses[s] - first[s] for s in steps], label=label)
+    if len(runs) > 1:
+        diff.axhline(0, color="gray", linewidth=0.5)
+        diff.set(ylabel=f"loss − {first_label}")
+    axes[-1, 0].set(xlabel="step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
 def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dict[str, Any]] = ()) -> list[Path]:
     """Write report.md, report.csv, loss.png, memory.png and comm.png into ``out``; return their paths.
 
@@ -186,16 +215,7 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
         "Comm is bytes sent per rank per step (mean over steps); memory is bytes held per rank after the "
         f"last step.\n\n{_markdown(header, rows)}\n\n![loss](loss.png)\n\n![memory](memory.png)\n\n![comm](comm.png)\n"
     )
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        ax.plot([x["step"] for x in r["records"]], [x["loss"] for x in r["records"]], label=r["label"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out / "loss.png")
-    plt.close(fig)
+    loss_curves(runs, out / "loss.png")
     labels = [r["label"] for r in runs]
     _bars(out / "memory.png", labels, {m: [r["summary"]["memory"][m] for r in runs] for m in _MEMORY},
           "memory per rank")
@@ -219,17 +239,19 @@ def _counts(all_jobs: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (1 when the directory holds no runs)."""
     parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.splitlines()[0])
-    parser.add_argument("root", help="a multirun (or run) directory written by experiments.train")
-    parser.add_argument("--out", default=None, help="where to write the report (default: the directory itself)")
+    parser.add_argument("root", nargs="+", help="multirun (or run) directories written by experiments.train; "
+                        "several are reported together (e.g. two single runs)")
+    parser.add_argument("--out", default=None, help="where to write the report (default: the first directory)")
     args = parser.parse_args(argv)
-    all_jobs, runs = jobs(args.root), collect(args.root)
+    all_jobs = [j for root in args.root for j in jobs(root)]
+    runs = [r for root in args.root for r in collect(root)]
     if all_jobs:
         print(f"{_counts(all_jobs)}:\n" + "\n".join(_job_lines(all_jobs)) + "\n")
     if not runs:
-        print(f"error: no runs (summary.json + metrics.jsonl) under {args.root}. Fix: pass the directory "
+        print(f"error: no runs (summary.json + metrics.jsonl) under {' '.join(args.root)}. Fix: pass the directory "
               "a `python -m experiments.train -m ...` sweep printed.", file=sys.stderr)
         return 1
-    paths = write_report(runs, args.out or args.root, all_jobs)
+    paths = write_report(runs, args.out or args.root[0], all_jobs)
     print(_markdown(*_rows(runs)))
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -1,12 +1,14 @@
-"""A 2-run sweep of the train app, then experiments.report: table rows and valid PNG plots."""
+"""A 2-run sweep of the train app, then experiments.report: table rows and valid PNG plots; runs of several
+directories in one report."""
 
 import csv
+import json
 import subprocess
 import sys
 
 import matplotlib.image
 
-from experiments.report import main
+from experiments.report import collect, loss_curves, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -43,3 +45,28 @@ def test_sweep_then_report(tmp_path, capsys):
 def test_report_of_an_empty_directory_fails(tmp_path, capsys):
     assert main([str(tmp_path)]) == 1
     assert "no runs" in capsys.readouterr().err
+
+
+def _fake_run(folder, precision: str, losses: list[float]) -> None:
+    """A run directory as experiments.train writes it (the parts the report reads)."""
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text(f"- precision={precision}\n- layout=zero3+tp+sp\n")
+    memory = {"params": 4, "compute": 2, "grads": 4, "opt_state": 8}
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n"
+                                                  for i, x in enumerate(losses)))
+    (folder / "summary.json").write_text(json.dumps({
+        "layout": "zero3+tp+sp", "mesh": {"dp": 2, "tp": 2}, "steps": len(losses), "final_loss": losses[-1],
+        "tokens_per_s": 1.0, "comm_bytes_by_kind": {"all_gather": 8.0}, "comm_bytes_per_step": 8.0,
+        "memory": memory, "memory_per_rank": sum(memory.values())}))
+
+
+def test_runs_of_two_directories_in_one_report_with_a_difference_panel(tmp_path):
+    _fake_run(tmp_path / "fp32", "fp32", [5.5, 4.0, 3.0])
+    _fake_run(tmp_path / "bf16", "bf16", [5.5, 4.01, 3.02])
+    out = tmp_path / "report"
+    assert main([str(tmp_path / "fp32"), str(tmp_path / "bf16"), "--out", str(out)]) == 0
+    with open(out / "report.csv") as f:
+        assert [r["final_loss"] for r in csv.DictReader(f)] == ["3.0", "3.02"]
+    two_panels = matplotlib.image.imread(out / "loss.png").shape
+    loss_curves(collect(tmp_path / "fp32"), tmp_path / "one.png")  # one run: no difference panel
+    assert two_panels[0] > matplotlib.image.imread(tmp_path / "one.png").shape[0]
