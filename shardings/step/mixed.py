@@ -74,6 +74,7 @@ def finite(mesh: Any, grads: Sequence[torch.Tensor]) -> bool:
     did, so sharded gradients (tp, ZeRO) whose bad block lives on one rank still skip on all.
     """
     blocks = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    blocks = [b for b in blocks if b.device.type != "meta"]  # another pipeline stage's (a placeholder)
     bad = torch.zeros((), dtype=torch.float32)
     if blocks:
         # sum of (x * 0) is NaN exactly when some x is inf or NaN; one foreach pass per dtype

@@ -149,19 +149,27 @@ class PipelineStep(TrainStep):
         blocks = [block_index(path, self.stages.blocks) for path, _ in tree.leaves_with_path(params)]
         return [None if b is None else where.stage_of(b) for b in blocks]
 
-    def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
-        """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state."""
+    def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[Any, Any, Any]:
+        """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state.
+
+        Under a precision policy the stage weights are cast to compute dtype before they are gathered, the
+        microbatches' gradients are summed in compute dtype by the executor (one per stage weight, in microbatch
+        order) and cast to reduce dtype for their reduction; a loss scale multiplies every microbatch's weight.
+        """
         plan = self.plan(params)
         batch = self._place_batch(batch)
         mbs = self._microbatches(batch)
         total = self.token_count(batch)
         weights = [self.token_count(mb) / total for mb in mbs]
+        if scale is not None:
+            weights = [w * scale for w in weights]
         compute = tree.unflatten(plan.treedef, self._gather_once(params))
         carry = (self.stages, self._carry_placements, self.mesh.device_mesh) if self.real else None
         result = run(self.schedule, self._in_stage(self.stages), self.split(params), compute, mbs, weights,
                      mesh=self.full_mesh if self.real else None, carry_layout=carry)
         self.last = result
         grads, opt_pl, own = tree.leaves(result.grads), plan.placements["opt_state"], self._own(params)
+        grads = [self.cast.to_reduce(g) for g in grads]
         reduced = list(grads)
         for i, g in zip(own, buckets.reduce([grads[i] for i in own], [opt_pl[i] for i in own], self.bucket_mb)):
             reduced[i] = g
@@ -172,7 +180,8 @@ class PipelineStep(TrainStep):
             for g, owner in zip(reduced, self._owners(params)):
                 if owner is None:
                     _all_reduce_in_place(g.to_local() if isinstance(g, DTensor) else g, group)
-        return result.loss, tree.unflatten(plan.treedef, reduced), total
+        loss = result.loss if scale is None else result.loss / scale
+        return loss, tree.unflatten(plan.treedef, reduced), total
 
     def _gather_once(self, params: Any) -> list[Any]:
         """This rank's parameters in their compute layout for the whole step: ZeRO-3's gathers (one all-gather
@@ -182,19 +191,20 @@ class PipelineStep(TrainStep):
         pl = plan.placements["compute"]
         with torch.no_grad():
             gathered, gathers = gather_buckets.gather([leaves[i] for i in own], [pl[i] for i in own],
-                                                      self.bucket_mb, [plan.units[i] for i in own])
-            gathered = [resolve(x) for x in gathered]
+                                                      self.bucket_mb, [plan.units[i] for i in own], self.cast)
+            gathered = [self.cast.to_compute(resolve(x)) for x in gathered]  # cast before a bucket's gather
             gathers.close()
-        out = [placeholder(x.shape, x.dtype, self.mesh, pl[i]) for i, x in enumerate(leaves)]
+        dtype = lambda x: self.cast.compute if self.cast.compute and x.is_floating_point() else x.dtype
+        out = [placeholder(x.shape, dtype(x), self.mesh, pl[i]) for i, x in enumerate(leaves)]
         for i, x in zip(own, gathered):
             out[i] = x
         return out
 
-    def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-        """:meth:`TrainStep.apply`; on real ranks the clip's global norm adds up every stage's part, and only
+    def _update(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        """:meth:`TrainStep._update`; on real ranks the clip's global norm adds up every stage's part, and only
         this rank's own leaves are updated (:mod:`shardings.step.stage_state`)."""
         if not self.real:
-            return super().apply(params, opt_state, grads)
+            return super()._update(params, opt_state, grads)
         plan = self.plan(params)
         with torch.no_grad():
             if self._clip is not None:

@@ -187,6 +187,9 @@ class TrainStep:
         With a loss scale, a step whose gradients are not all finite on every rank is skipped: params and
         the optimizer state come back unchanged and the scale is halved (``core.precision.DynamicLossScale``).
         """
+        # a reduce dtype narrower than the params': clipping and the optimizer run in fp32 on the fp32 master
+        # weights (one transient fp32 copy of the rank's gradients)
+        grads = tree.map(lambda g, p: g.to(p.dtype) if g.dtype != p.dtype else g, grads, params)
         if self.scaler is None:
             return self._update(params, opt_state, grads)
         ok = mixed.finite(self.mesh, tree.leaves(grads))
@@ -197,17 +200,13 @@ class TrainStep:
         return params, mixed.Scaled(scale, state)
 
     def _update(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-        """The optimizer's update (:meth:`apply` without the loss scale's skip).
-
-        Gradients held in a reduce dtype narrower than the params' are cast to it first (clipping and the
-        optimizer run in fp32 on the fp32 master weights: one transient fp32 copy of the rank's gradients).
+        """The optimizer's update (:meth:`apply` without the loss scale's skip); grads in the params' dtype.
 
         An elementwise optimizer (``adamw``, ``sgd``, ...) updates each rank's local blocks
         (``local_step.update_blocks``: torch's fused kernel where it has one, in place when donated),
         after a clip's global norm on the DTensors; any other runs its pure update on the DTensors.
         """
         plan = self.plan(params)
-        grads = tree.map(lambda g, p: g.to(p.dtype) if g.dtype != p.dtype else g, grads, params)
         if not getattr(self._inner, "elementwise", False):
             with torch.no_grad():
                 p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
@@ -379,11 +378,6 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     kw = dict(axes=axes, clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
               count_comms=count_comms, donate=donate)
     if has_pp(layout):
-        if precision is not None and precision != precision.fp32():
-            raise sharding_error(
-                f"train_step: precision={precision} with {layouts.get(layout).name!r}: the pipeline step does not "
-                "cast, reduce in another dtype or scale the loss yet",
-                fix="drop pp from the layout for mixed precision, or train the pipeline in fp32", mesh=mesh)
         m = microbatches or (accum_steps if accum_steps > 1 else mesh.axis_size("pp"))
         return PipelineStep(loss_fn, optimizer, layout=layout, mesh=mesh, microbatches=m, schedule=schedule,
                             stage_sizes=stage_sizes, **kw)
