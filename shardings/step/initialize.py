@@ -80,14 +80,22 @@ def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str 
     return tree.unflatten(params_def, specs)
 
 
-def _own_blocks(recipes: Any, mesh: Mesh, stage_sizes: list[int] | None) -> range | None:
-    """The blocks this process's pipeline stage runs (real processes), or ``None``: every block (simulated)."""
+def _own_blocks(recipes: Any, mesh: Mesh, stage_sizes: list[int] | None, schedule: Any) -> set[int] | None:
+    """The blocks this process's pipeline stages run (real processes), or ``None``: every block (simulated)."""
     if dist.get_backend() == "fake" or mesh.axis_size("pp") == 1:
         return None
-    return split(recipes, mesh.axis_size("pp"), sizes=stage_sizes).ranges[mesh.device_mesh.get_local_rank("pp")]
+    from shardings.pipeline import Schedule, build
+
+    pp = mesh.axis_size("pp")
+    if not isinstance(schedule, Schedule):  # the placement of a named schedule does not depend on microbatches
+        name, v = (schedule, None) if isinstance(schedule, str) or schedule is None else schedule
+        schedule = build(name or "1f1b", pp, pp, virtual_stages=v)
+    where = split(recipes, schedule.stages, sizes=stage_sizes)
+    rank = mesh.device_mesh.get_local_rank("pp")
+    return {b for s, blocks in enumerate(where.ranges) if schedule.rank_of(s) == rank for b in blocks}
 
 
-def _is_mine(path: Any, mine: range | None) -> bool:
+def _is_mine(path: Any, mine: set[int] | None) -> bool:
     block = block_index(path)
     return mine is None or block is None or block in mine
 
@@ -134,6 +142,7 @@ def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
 def init(
     init_fn: Callable[[Any, Any], Any], key: torch.Tensor, cfg: Any, *, axes: Any, layout: Any, mesh: Mesh,
     stage_sizes: list[int] | None = None,
+    schedule: Any = None,
 ) -> Any:
     """Initialize parameters directly in their sharded storage layout.
 
@@ -152,6 +161,8 @@ def init(
             parameter count). On real processes each rank then materializes only its own stage's blocks
             (``params["blocks"][i]``); the others are placeholders (meta-device DTensors of the right
             shape and layout, holding no memory). Simulated ranks materialize every block.
+        schedule: with ``pp`` on real processes, where the stages live: the ``Schedule`` given to ``train_step``,
+            or its name, or ``(name, virtual_stages)`` (``("interleaved_1f1b", 2)``); default one stage per rank.
 
     Returns:
         The params tree with DTensor leaves.
@@ -171,7 +182,7 @@ def init(
     with maybe_disable_local_tensor_mode(), deferred.deferred():
         recipes = init_fn(unwrap(key), cfg)
     specs = param_specs(axes, recipes, layout, mesh)
-    mine = _own_blocks(recipes, full_mesh, stage_sizes) if mesh is not full_mesh else None
+    mine = _own_blocks(recipes, full_mesh, stage_sizes, schedule) if mesh is not full_mesh else None
     params = tree.map_with_path(lambda path, r, s: _place(r, s, mesh, path) if _is_mine(path, mine)
                                 else placeholder(r.shape, r.dtype, mesh, lower.to_placements(s, mesh, len(r.shape))),
                                 recipes, specs)

@@ -76,7 +76,8 @@ class PipelineStep(TrainStep):
     """A :class:`TrainStep` whose gradients come from a pipeline schedule (module docstring)."""
 
     def __init__(self, stages: Any, optimizer: Any, *, layout: Any, mesh: Mesh, microbatches: int,
-                 schedule: str | Schedule = "1f1b", stage_sizes: list[int] | None = None, **kw: Any):
+                 schedule: str | Schedule = "1f1b", stage_sizes: list[int] | None = None,
+                 virtual_stages: int | None = None, **kw: Any):
         layout = layouts.get(layout)
         if not isinstance(stages, Stages):
             raise sharding_error(
@@ -91,9 +92,10 @@ class PipelineStep(TrainStep):
         self._max_norm = kw.get("clip_norm")
         self.full_mesh, self.mesh, self.stages = mesh, mesh.without("pp"), stages
         pp = mesh.axis_size("pp")
-        self.schedule = schedule if isinstance(schedule, Schedule) else build(schedule, pp, microbatches)
-        if self.schedule.stages != pp or self.schedule.microbatches != microbatches:
-            raise sharding_error(f"schedule {self.schedule.name!r} is for {self.schedule.stages} stages and "
+        self.schedule = schedule if isinstance(schedule, Schedule) else build(schedule, pp, microbatches,
+                                                                              virtual_stages=virtual_stages)
+        if self.schedule.pp != pp or self.schedule.microbatches != microbatches:
+            raise sharding_error(f"schedule {self.schedule.name!r} is for {self.schedule.pp} ranks and "
                                  f"{self.schedule.microbatches} microbatches; the step has pp={pp}, m={microbatches}",
                                  fix="build the schedule for the mesh's pp and the step's microbatches", mesh=mesh)
         self.stage_sizes = stage_sizes
@@ -142,12 +144,13 @@ class PipelineStep(TrainStep):
         return dist.get_backend() != "fake"
 
     def _owners(self, params: Any) -> list[int | None]:
-        """Per leaf: the stage whose blocks hold it, or ``None`` (outside the blocks: first and last stage).
+        """Per leaf: the ``pp`` rank running the stage whose blocks hold it (``schedule.rank_of``: interleaved
+        and V schedules place several stages on a rank), or ``None`` (outside the blocks: first and last stage).
 
         ``params`` may be any tree shaped like the params (their gradients)."""
         where = self.split(params)
         blocks = [block_index(path, self.stages.blocks) for path, _ in tree.leaves_with_path(params)]
-        return [None if b is None else where.stage_of(b) for b in blocks]
+        return [None if b is None else self.schedule.rank_of(where.stage_of(b)) for b in blocks]
 
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[Any, Any, Any]:
         """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state.

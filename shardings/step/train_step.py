@@ -330,7 +330,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                token_count: Callable[[Any], torch.Tensor] = default_token_count,
                bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
                count_comms: bool = True, donate: bool = False, microbatches: int | None = None,
-               schedule: Any = "1f1b", stage_sizes: list[int] | None = None) -> TrainStep:
+               schedule: Any = "1f1b", stage_sizes: list[int] | None = None,
+               virtual_stages: int | None = None) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -360,8 +361,11 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
             kernel on local shards in place; without donation it runs on copies.
         microbatches: with ``pp`` in the layout, the pipeline's microbatches per step (default ``accum_steps``,
             or the ``pp`` size when that is 1); otherwise another name for ``accum_steps``.
-        schedule: with ``pp``: ``"gpipe"``, ``"1f1b"`` or a checked ``shardings.pipeline.Schedule``.
-        stage_sizes: with ``pp``: blocks per stage (default: balanced by parameter count, ``pipeline.split``).
+        schedule: with ``pp``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_v"`` or a
+            checked ``shardings.pipeline.Schedule``.
+        stage_sizes: with ``pp``: blocks per stage (default: balanced by parameter count, ``pipeline.split``);
+            a schedule with v stages per rank has ``pp·v`` stages.
+        virtual_stages: with ``pp`` and ``schedule="interleaved_1f1b"``: model chunks per rank (default 2).
 
     With ``pp`` the loss must be the model's ``Stages`` (``models.gpt.stages(cfg)``):
     :mod:`shardings.step.pipeline_step`.
@@ -380,6 +384,6 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     if has_pp(layout):
         m = microbatches or (accum_steps if accum_steps > 1 else mesh.axis_size("pp"))
         return PipelineStep(loss_fn, optimizer, layout=layout, mesh=mesh, microbatches=m, schedule=schedule,
-                            stage_sizes=stage_sizes, **kw)
+                            stage_sizes=stage_sizes, virtual_stages=virtual_stages, **kw)
     return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, accum_steps=microbatches or accum_steps,
                      local=local, **kw)

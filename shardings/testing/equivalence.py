@@ -185,7 +185,8 @@ def _rank_values(full_tree: Any) -> list[Any]:
 def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
     """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
     optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
-    params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh)
+    where = {"schedule": step_kw["schedule"]} if "schedule" in step_kw else {}  # pp: which rank runs which stage
+    params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
     loss_fn = loss_fn.build() if isinstance(loss_fn, _StagesOf) else loss_fn
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
     state = step.init(params)
@@ -302,7 +303,8 @@ def check_equivalence(
             several buckets (their boundaries, overlap and ZeRO-3 prefetch) on a small model.
         stages: for layouts with ``pp``: the model's stage declaration as a function of ``cfg``
             (``models.gpt.stages``); the pipeline then runs ``accum_steps`` microbatches (default ``pp``).
-        schedule: for layouts with ``pp``: ``"gpipe"``, ``"1f1b"`` or a ``shardings.pipeline.Schedule``.
+        schedule: for layouts with ``pp``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
+            ``"zb_v"``) or a ``shardings.pipeline.Schedule``.
         precision: a ``core.precision.Policy`` for both sides: the reference runs the same policy on one device
             (params cast to compute dtype, gradients rounded to reduce dtype, the same initial loss scale), and
             the tolerance rule uses the compute dtype's epsilon (:func:`check_runs`).
