@@ -18,11 +18,25 @@ pair (ours)        our mesh                      torch side
                                                  (``native_gpt.tp_plan``) on a 1-D tp mesh, loss_parallel
 ``zero3+tp+sp``    ``Mesh(dp=2, tp=2)``          that plan on ``mesh["tp"]`` of a (dp=2, tp=2)
                                                  ``init_device_mesh``, then FSDP2 on ``mesh["dp"]``
+``zero3/bf16``     ``Mesh(dp=4)``, layout        FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16,
+                   ``zero3``, precision          reduce_dtype=fp32)``
+                   ``Policy.bf16_mixed()``
+``zero3/offload``  ``Mesh(dp=4)``, layout        FSDP2 with ``CPUOffloadPolicy``: it keeps the sharded
+                   ``zero3+offload_optimizer     params, their grads and the optimizer state on the
+                   +offload_params``             host and steps there, so ours offloads the same roles
 =================  ============================  ====================================================
 
-The bench checks both sides' step-1 losses agree (rtol 1e-4). Reported per side (the max over
-ranks): median step time after warm-up (each side launched ``--rounds`` times, alternated: on a
-shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
+On a CPU-only machine FSDP2's default ``CPUOffloadPolicy()`` (``pin_memory=True``) refuses to shard
+(``RuntimeError: Cannot access accelerator device when none is available.`` from ``pin_memory()``), so the
+torch side takes ``CPUOffloadPolicy(pin_memory=torch.cuda.is_available())``. There host and device are
+one memory: FSDP2's copies to its device are no-ops, while ours still copies (``core.offload``: the code
+path and bytes a GPU run has); the ``ours_host_bytes`` column counts them (``d2h``/``h2d`` rows), the torch
+side's are not counted (plain ``Tensor.to``, no c10d op).
+
+The bench checks both sides' step-1 losses agree: rtol 1e-4 in fp32, and under bf16 the tolerance rule of
+``shardings.testing`` for bf16 (``LOW_PRECISION_ULPS``: the two sides round in different kernels).
+Reported per side (the max over ranks): median step time after warm-up (each side launched ``--rounds``
+times, alternated: on a shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
 memory**: the most bytes live tensors held at once during one warm-up step, the parameters and
 optimizer state included (:func:`shardings.comm.peak_memory.peak_memory`, what
 ``torch.cuda.max_memory_allocated`` reports on a GPU; CPU tensors have no allocator counter); the
@@ -51,7 +65,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -62,6 +76,7 @@ import shardings
 from experiments import native_gpt
 from experiments.tables import write_csv
 from shardings.comm.peak_memory import PeakMemory, peak_memory
+from shardings.testing.tolerance import LOW_PRECISION_ULPS, tolerance
 
 
 class _Config(NamedTuple):
@@ -80,6 +95,9 @@ _CONFIGS = {
 class _Pair(NamedTuple):
     native: str  # the torch-native name in the table
     mesh: dict[str, int]  # our mesh's axis sizes (the torch side uses the same dp x tp split)
+    layout: str | None = None  # our layout; None: the pair's name
+    bf16: bool = False  # ours Policy.bf16_mixed(); torch MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    offload: bool = False  # torch side: FSDP2's CPUOffloadPolicy
 
 
 _PAIRS = {
@@ -87,6 +105,9 @@ _PAIRS = {
     "zero3": _Pair("FSDP2", {"dp": 4}),
     "tp+sp": _Pair("parallelize_module", {"tp": 4}),
     "zero3+tp+sp": _Pair("FSDP2+TP", {"dp": 2, "tp": 2}),
+    "zero3/bf16": _Pair("FSDP2 MixedPrecisionPolicy(bf16, fp32)", {"dp": 4}, "zero3", bf16=True),
+    "zero3/offload": _Pair("FSDP2 CPUOffloadPolicy", {"dp": 4}, "zero3+offload_optimizer+offload_params",
+                           offload=True),
 }
 
 
@@ -109,24 +130,40 @@ def _timed(step, steps: int, warmup: int) -> tuple[list[float], float, PeakMemor
     return times[warmup:], first_loss, mem
 
 
-def _ours(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, comm: list[int]):
+def _ours(pair: str, cfg: gpt.Config, batch: dict, comm: list[int]):
+    """``comm``: [collective bytes, host copy bytes] of the first step."""
+    sizes, layout = _PAIRS[pair].mesh, _PAIRS[pair].layout or pair
     mesh = shardings.Mesh(**sizes)
     params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
     loss_fn = functools.partial(gpt.loss, cfg=cfg)
-    ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh, donate=True)
+    precision = core.precision.Policy.bf16_mixed() if _PAIRS[pair].bf16 else None
+    ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh, donate=True,
+                              precision=precision)
     state = [params, ts.init(params)]
 
     def step(count: bool) -> float:
         ts.count_comms = count
         state[0], state[1], m = ts(state[0], state[1], batch)
-        comm[0] = m["comm_bytes"] if count else comm[0]
+        if count:
+            host = sum(r["bytes"] for r in m["comm"] if r["axis"] == "host")  # d2h/h2d copies (offload)
+            comm[:] = [m["comm_bytes"] - host, host]
         return m["loss"]
 
     return step
 
 
-def _wrap_native(model: native_gpt.NativeGpt, layout: str, sizes: dict[str, int]) -> tuple[Any, int]:
-    """The torch-native wrapping of ``model`` for ``layout``; returns it and this rank's dp index."""
+def _fsdp_policies(pair: _Pair) -> dict[str, Any]:
+    """``fully_shard``'s mixed-precision / offload keywords for ``pair``."""
+    if pair.bf16:
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if pair.offload:  # pinning needs an accelerator: CPUOffloadPolicy() raises on a CPU-only machine
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
+    return {}
+
+
+def _wrap_native(model: native_gpt.NativeGpt, pair: str) -> tuple[Any, int]:
+    """The torch-native wrapping of ``model`` for ``pair``; returns it and this rank's dp index."""
+    sizes, layout = _PAIRS[pair].mesh, (_PAIRS[pair].layout or pair).split("+offload")[0]
     dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
     dp_mesh = None
     if tp > 1:
@@ -139,14 +176,16 @@ def _wrap_native(model: native_gpt.NativeGpt, layout: str, sizes: dict[str, int]
     if layout == "dp":
         return DistributedDataParallel(model), dist.get_rank()
     if dp_mesh is not None:  # FSDP2: one all-gather group per block, then the rest (embeddings, norm)
+        policies = _fsdp_policies(_PAIRS[pair])
         for block in model.blocks:
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, **policies)
+        fully_shard(model, mesh=dp_mesh, **policies)
     return model, 0 if dp_mesh is None else dp_mesh.get_local_rank()
 
 
-def _native(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, comm: list[int]):
-    model, dp_rank = _wrap_native(native_gpt.from_params(gpt.init(core.random.key(0), cfg), cfg), layout, sizes)
+def _native(pair: str, cfg: gpt.Config, batch: dict, comm: list[int]):
+    sizes = _PAIRS[pair].mesh
+    model, dp_rank = _wrap_native(native_gpt.from_params(gpt.init(core.random.key(0), cfg), cfg), pair)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     rows = len(batch["tokens"]) // sizes.get("dp", 1)
     local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
@@ -158,7 +197,7 @@ def _native(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, co
             loss = model(local)
             loss.backward()
             opt.step()
-        comm[0] = c.total_bytes() if count else comm[0]
+        comm[:] = [c.total_bytes(), 0] if count else comm  # host copies: plain Tensor.to, not seen
         mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
         dist.all_reduce(mean)  # the global-batch loss: equal token counts per dp rank, equal losses across tp
         return float(mean) / dist.get_world_size()
@@ -166,16 +205,25 @@ def _native(layout: str, sizes: dict[str, int], cfg: gpt.Config, batch: dict, co
     return step
 
 
-def _worker(side: str, layout: str, cfg_kw: dict, batch_size: int, steps: int, warmup: int) -> dict:
+def _worker(side: str, pair: str, cfg_kw: dict, batch_size: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     cfg = gpt.Config(**cfg_kw)
     rss0 = _rss_mb()
     batch = gpt.example_batch(cfg, batch_size)
-    comm = [0]
-    step = (_ours if side == "ours" else _native)(layout, _PAIRS[layout].mesh, cfg, batch, comm)
+    comm = [0, 0]
+    step = (_ours if side == "ours" else _native)(pair, cfg, batch, comm)
     times, loss, mem = _timed(step, steps, warmup)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
-    return {"times": times, "loss": loss, "peak_mb": mem.peak / 2**20, "rss_mb": rss, "comm_bytes": comm[0]}
+    return {"times": times, "loss": loss, "peak_mb": mem.peak / 2**20, "rss_mb": rss, "comm_bytes": comm[0],
+            "host_bytes": comm[1]}
+
+
+def _same_loss(pair: str, ours: float, native: float) -> bool:
+    """fp32: rtol 1e-4; bf16: the tolerance rule at bf16 (the two sides round in different kernels)."""
+    if not _PAIRS[pair].bf16:
+        return abs(ours - native) <= 1e-4 * max(1.0, abs(native))
+    tol = tolerance(torch.tensor(native), ulps=LOW_PRECISION_ULPS, dtype=torch.bfloat16)
+    return abs(ours - native) <= tol.rtol * abs(native) + tol.atol
 
 
 def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int, rounds: int = 1) -> list[dict]:
@@ -203,7 +251,7 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
                 res[side] += shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup)
         med = {s: statistics.median(statistics.median(r["times"]) for r in res[s]) * 1e3 for s in res}
         loss = {s: res[s][0]["loss"] for s in res}
-        if abs(loss["ours"] - loss["native"]) > 1e-4 * max(1.0, abs(loss["native"])):
+        if not _same_loss(layout, loss["ours"], loss["native"]):
             raise RuntimeError(
                 f"bench {layout} ({config}): step-1 losses differ: ours {loss['ours']} vs {native} "
                 f"{loss['native']}. Fix: the two sides do not run the same model."
@@ -218,6 +266,7 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
             "native_rss_mb": round(max(r["rss_mb"] for r in res["native"]), 1),
             "ours_comm_bytes": max(r["comm_bytes"] for r in res["ours"]),
             "native_comm_bytes": max(r["comm_bytes"] for r in res["native"]),
+            "ours_host_bytes": max(r["host_bytes"] for r in res["ours"]),
             "loss_ours": round(loss["ours"], 6), "loss_native": round(loss["native"], 6),
         })  # fmt: skip
     return rows

@@ -47,3 +47,28 @@ def test_quick_tp_sp_vs_parallelize_module_same_loss_and_measured_comms(tmp_path
     activations = 4 * bench._CONFIGS["quick"].batch * CFG.seq_len * CFG.dim
     assert row["native_comm_bytes"] == 2 * (4 * CFG.layers + 2) * 3 * activations // 4
     assert row["ours_comm_bytes"] > 0
+
+
+def _fsdp2_bytes(param_bytes: int, grad_bytes: int) -> int:
+    """FSDP2 per rank on 4 ranks: all-gather forward, again in backward for the blocks (the root's
+    embeddings and norm stay gathered), reduce-scatter of the grads; each sends 3/4 of the buffer."""
+    root = 2 * CFG.vocab * CFG.dim + CFG.dim  # embedding, unembedding, final norm (elements)
+    params = FOUR_P // 4
+    return 3 * (param_bytes * params + param_bytes * (params - root) + grad_bytes * params) // 4
+
+
+@pytest.mark.multiprocess
+def test_quick_bf16_and_offload_pairs_same_loss_and_measured_bytes(tmp_path):
+    bf16, offload = bench.main(["--quick", "--pairs", "zero3/bf16", "zero3/offload", "--csv", str(tmp_path / "b.csv")])
+    assert bf16["pair"] == "zero3/bf16 vs FSDP2 MixedPrecisionPolicy(bf16, fp32)"
+    assert offload["pair"] == "zero3/offload vs FSDP2 CPUOffloadPolicy"
+    # run() raised already if the step-1 losses differed (bf16: the tolerance rule at bf16)
+    # bf16 all-gathers (2 bytes a parameter), fp32 reduce-scatter: FSDP2's bytes, ours the same plus the
+    # metric all-reduces (a few bytes).
+    assert bf16["native_comm_bytes"] == _fsdp2_bytes(2, 4)
+    assert 0 <= bf16["ours_comm_bytes"] - bf16["native_comm_bytes"] < 64 and bf16["ours_host_bytes"] == 0
+    # Offload moves no collective bytes; ours counts its host copies: params h2d at the start, grads and
+    # param blocks d2h, new blocks h2d, new params d2h — five copies of the rank's 4P/N (FSDP2 on a GPU: two).
+    assert offload["native_comm_bytes"] == _fsdp2_bytes(4, 4)
+    assert 0 <= offload["ours_comm_bytes"] - offload["native_comm_bytes"] < 64
+    assert offload["ours_host_bytes"] == 5 * FOUR_P // 4
