@@ -100,7 +100,7 @@ def _record(step: int, metrics: dict[str, Any], seconds: float, state: DataState
         "comm_bytes": metrics["comm_bytes"],
         "comm": metrics["comm"],
         "memory": memory,
-        "memory_per_rank": sum(memory.values()),
+        "memory_per_rank": sum(v for k, v in memory.items() if k != "host"),  # host: where some of it lives
         "data_position": state.position,
         **scaling,  # loss_scale, skipped_steps (fp16)
         **({"pipeline": metrics["pipeline"]} if "pipeline" in metrics else {}),  # schedule, bubble_planned, ...
