@@ -130,9 +130,10 @@ def _torch_side(name: str, cfg: gpt.Config, params: Any, mbs: list[dict]):
 def _our_side(name: str, cfg: gpt.Config, params: Any, mbs: list[dict]):
     schedule, weights = pipeline.build(name, PP, len(mbs)), [1 / len(mbs)] * len(mbs)
     split, mesh = pipeline.split(params, schedule.stages), shardings.Mesh(pp=PP)
+    stages = gpt.stages(cfg)  # built once, as a training loop does: run() caches its message layouts per stages
 
     def step() -> dict:
-        result = pipeline.run(schedule, gpt.stages(cfg), split, params, mbs, weights, mesh=mesh)
+        result = pipeline.run(schedule, stages, split, params, mbs, weights, mesh=mesh)
         return {"loss": float(result.loss), "bubble": statistics.mean(result.bubble()),
                 "saved_peak": max(result.saved_peak)}
 

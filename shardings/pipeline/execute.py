@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from shardings.pipeline.backward import backward_input, backward_weight
 from shardings.pipeline.check import check
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
-from shardings.pipeline.wire import Message, Wire, templates
+from shardings.pipeline.wire import Message, Wire, cached_templates
 
 __all__ = ["Message", "Result", "Timed", "run"]
 
@@ -267,14 +268,24 @@ class _Mailbox:
         return self.box.pop((kind, stage, mb))
 
 
+# id -> a schedule that passed check(): a Schedule is frozen, so once is enough (hashing one costs as much)
+_CHECKED: weakref.WeakValueDictionary[int, Schedule] = weakref.WeakValueDictionary()
+
+
+def _check_once(schedule: Schedule) -> None:
+    if _CHECKED.get(id(schedule)) is not schedule:
+        check(schedule)
+        _CHECKED[id(schedule)] = schedule
+
+
 def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
         weights: Sequence[float], *, mesh: Any = None, carry_layout: Any = None) -> Result:
     """Run ``schedule``; ``weights[i]``: microbatch ``i``'s token share (module docstring).
 
     Without ``mesh``, every rank runs in this process (simulated). With a :class:`~shardings.Mesh` that has a
     ``pp`` axis, on real processes: this process runs its own rank's actions (its ``pp`` coordinate) and
-    messages go over the ``pp`` process group (:mod:`shardings.pipeline.wire`). The loss is then summed over
-    the stages (every rank gets it), the timeline holds every rank's actions, and ``grads`` are this rank's:
+    messages go over the ``pp`` process group (:mod:`shardings.pipeline.wire`). The loss is then the last
+    stage's (every rank gets it), the timeline holds every rank's actions, and ``grads`` are this rank's:
     its stages' parameters, zeros elsewhere. ``carry_layout = (plain_stages, placements, stage_mesh)`` says how a
     carry of DTensors travels: the stage functions without their layout context (for the meta-device run that
     sizes the messages), ``placements(carry) -> [placements per leaf]`` and the stage mesh's ``DeviceMesh``.
@@ -283,7 +294,7 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
         ScheduleError: the schedule does not check (before any work).
         ValueError: the schedule, the split and the microbatches disagree on their counts.
     """
-    check(schedule)
+    _check_once(schedule)
     if schedule.stages != split.stages or schedule.microbatches != len(microbatches) or len(weights) != len(
             microbatches):
         raise ValueError(f"pipeline run: schedule for {schedule.stages} stages, m={schedule.microbatches}, but a split "
@@ -309,17 +320,16 @@ def _run_rank(schedule: Schedule, stages: Stages, split: Split, params: Any, mic
     dm = mesh.device_mesh
     rank, group = dm.get_local_rank("pp"), dm.get_group("pp")
     plain, placements, stage_dm = carry_layout or (stages, None, None)
-    wire = Wire(schedule, rank, group, templates(plain, split, params, microbatches[0], placements, stage_dm))
+    wire = Wire(schedule, rank, group, cached_templates(plain, split, params, microbatches[0], placements, stage_dm))
     runner = _Runner(schedule, stages, split, params, microbatches, weights, wire)
     for action in schedule.ranks[rank]:
         runner.do(rank, action)
     wire.finish()
     result = runner.result()
     loss = result.loss.full_tensor() if isinstance(result.loss, DTensor) else result.loss
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=group)  # only the last stage's is non-zero
-    timelines: list[Any] = [None] * schedule.pp
-    dist.all_gather_object(timelines, result.timeline, group=group)
-    peaks: list[Any] = [None] * schedule.pp
-    dist.all_gather_object(peaks, result.saved_peak[rank], group=group)
-    return dataclasses.replace(result, loss=loss, timeline=[t for tl in timelines for t in tl], saved_peak=peaks)
+    # One gather for what every rank reports (two collectives; a separate loss all-reduce was a third round)
+    every: list[Any] = [None] * schedule.pp
+    dist.all_gather_object(every, (result.timeline, result.saved_peak[rank], loss.detach().cpu()), group=group)
+    loss = every[schedule.rank_of(schedule.stages - 1)][2].to(loss.device)  # the last stage's rank holds it
+    return dataclasses.replace(result, loss=loss, timeline=[t for tl, _, _ in every for t in tl],
+                               saved_peak=[peak for _, peak, _ in every])

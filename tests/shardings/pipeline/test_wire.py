@@ -1,0 +1,20 @@
+"""The message layouts of real-rank pipelines: computed once per stages, split and input shapes (cached)."""
+
+import core
+import models.gpt
+from shardings import pipeline
+from shardings.pipeline.wire import cached_templates
+
+CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, seq_len=8, mlp=64)
+
+
+def test_templates_are_cached_per_stages_split_and_shapes():
+    params, stages = models.gpt.init(core.random.key(0), CFG), models.gpt.stages(CFG)
+    split, batch = pipeline.split(params, 2), models.gpt.example_batch(CFG, 2)
+    first = cached_templates(stages, split, params, batch)
+    assert [t.global_shapes for t in first] == [[(2, CFG.seq_len, CFG.dim)]]
+    assert cached_templates(stages, split, params, models.gpt.example_batch(CFG, 2, seed=1)) is first  # same shapes
+    wider = cached_templates(stages, split, params, models.gpt.example_batch(CFG, 3))
+    assert [t.global_shapes for t in wider] == [[(3, CFG.seq_len, CFG.dim)]]
+    assert cached_templates(stages, pipeline.split(params, 4), params, batch) is not first  # another split
+    assert cached_templates(models.gpt.stages(CFG), split, params, batch) is not first  # other stage functions
