@@ -87,3 +87,15 @@ def test_check_rejects_a_w_on_the_wrong_rank_and_bad_placements():
     with pytest.raises(ScheduleError, match=r"rank 0, action rF0 .*: wrong rank: stage 3 runs on rank 1. Fix: move "
                                             r"it to rank 1 \(the schedule's placement \(0, 1, 0, 1\)\)"):
         check(wrong)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(1, 3), (2, 4), (3, 2), (4, 8), (4, 16), (5, 7)])
+def test_zb_v_runs_torchs_order(pp, m):
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    torch_zbv = object.__new__(ScheduleZBVZeroBubble)  # its order needs no stages: pp, m and the stage count
+    torch_zbv.pp_group_size, torch_zbv._n_microbatches, torch_zbv.num_stages = pp, m, 2 * pp
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for r, actions in enumerate(zb_v(pp, m).ranks):
+        theirs = [Action(kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+                  for a in torch_zbv._calculate_single_rank_operations(r) if a is not None]
+        assert [a for a in actions if a.kind in ("F", "B", "W")] == theirs
