@@ -4,7 +4,7 @@
 [--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]``
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
-same ``models.gpt`` weights, global batch, fp32 and AdamW(1e-3). The torch side is
+same ``models.gpt`` weights, global batch, fp32 (bf16 compute in ``zero3/bf16``) and AdamW(1e-3). The torch side is
 :class:`experiments.native_gpt.NativeGpt` — the model a PyTorch user writes (``nn.Embedding``,
 ``nn.Linear``, ``nn.RMSNorm``, ``F.scaled_dot_product_attention``, ``F.cross_entropy``; no shardlab
 code) holding the same weights — wrapped the way a PyTorch user would:
