@@ -47,9 +47,10 @@ class Setup(NamedTuple):
     mesh: Mesh
     seq_len: int  # tokens per row of the data
     microbatches: int = 1  # per step: accum_steps, or with pp the pipeline's (pipeline.microbatches resolved)
-    schedule: str | None = None  # with pp: the pipeline schedule (gpipe | 1f1b); None without pp
+    schedule: str | None = None  # with pp: the pipeline schedule (a key of shardings.pipeline.SCHEDULES); None without
     stage_sizes: list[int] | None = None  # with pp: blocks per stage (None: balanced by parameter count)
     precision: core.precision.Policy | None = None  # None: fp32 throughout (no policy)
+    virtual_stages: int | None = None  # with pp: stages per rank for interleaved_1f1b (None: the schedule's own)
 
 
 def loss(setup: Setup) -> Callable[[Any, Any], Any]:
@@ -138,10 +139,15 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
         raise ConfigError(f"layout={layout_name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
     sizes = list(pipe.get("stage_sizes") or []) or None
-    if pp:
-        _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"), sizes)
     _check_checkpointing(cfg.get("checkpoint"))
     micro = _microbatches(pipe.get("microbatches"), accum, mesh.axis_size("pp")) if pp else accum
+    virtual = pipe.get("virtual_stages")
+    if pp:
+        try:  # the schedule's own checks (interleaved: m a multiple of pp, its virtual stages), before any work
+            stages = pipeline.build(schedule, mesh.axis_size("pp"), micro, virtual_stages=virtual).stages
+        except ValueError as e:
+            raise ConfigError(f"pipeline.schedule={schedule} pipeline.virtual_stages={virtual}: {e}") from None
+        _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"), stages, sizes)
     dp = mesh.axis_size(batch.dim_axes()[0])
     _divisible("batch size", batch_size, dp * micro, "data.batch_size",
                f"{dp} data-parallel ranks × {micro} pipeline microbatches" if pp else
@@ -149,7 +155,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
     return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None, sizes if pp else None,
-                 precision)
+                 precision, virtual if pp else None)
 
 
 def _precision(conf: Any) -> core.precision.Policy | None:
@@ -192,13 +198,13 @@ def _check_pipeline(module: ModuleType, layout: Layout) -> None:
                          "Fix: use a model with stages (gpt, moe, mlp), or a layout without pp.")
 
 
-def _check_stages(blocks: int, pp: int, sizes: list[int] | None) -> None:
-    if blocks < pp:
-        raise ConfigError(f"the model has {blocks} blocks (layers), too few for pp={pp} pipeline stages (each needs "
-                          f"at least one). Fix: set model.config.layers to {pp} or more, or use a mesh with "
-                          f"pp <= {blocks}.")
-    if sizes is not None and (len(sizes) != pp or sum(sizes) != blocks or min(sizes) < 1):
-        raise ConfigError(f"pipeline.stage_sizes={sizes} must be {pp} positive counts adding up to the model's "
+def _check_stages(blocks: int, pp: int, stages: int, sizes: list[int] | None) -> None:
+    if blocks < stages:
+        raise ConfigError(f"the model has {blocks} blocks (layers), too few for pp={pp} × {stages // pp} stage(s) per "
+                          f"rank = {stages} pipeline stages (each needs at least one). Fix: set model.config.layers "
+                          f"to {stages} or more, or use a mesh with a smaller pp (or fewer stages per rank).")
+    if sizes is not None and (len(sizes) != stages or sum(sizes) != blocks or min(sizes) < 1):
+        raise ConfigError(f"pipeline.stage_sizes={sizes} must be {stages} positive counts adding up to the model's "
                           f"{blocks} blocks. Fix: e.g. pipeline.stage_sizes=null (balanced), or give one count per "
                           "stage.")
 

@@ -133,7 +133,8 @@ class CheckpointConf:
 class PipelineConf:
     """The pipeline of a layout with ``pp`` (ignored without it): its schedule and microbatches per step."""
 
-    schedule: str = "1f1b"  # gpipe | 1f1b: same bubble, 1f1b holds fewer microbatches' activations at once
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zb_v (docs/pipeline.md: bubble and memory)
+    virtual_stages: int | None = None  # interleaved_1f1b: model chunks per rank (null -> 2); zb_v has 2, others 1
     microbatches: int | None = None  # null -> accum_steps when > 1, else the pp size (train_step's default)
     stage_sizes: list[int] | None = None  # blocks per stage, e.g. [3, 1]; null -> balanced by parameter count
 

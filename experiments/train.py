@@ -149,10 +149,10 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     axes = m.axes(mcfg)
     key = core.random.key(cfg.seed)
     params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh,
-                          stage_sizes=setup.stage_sizes)
+                          stage_sizes=setup.stage_sizes, schedule=(setup.schedule, setup.virtual_stages))
     step = train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh, axes=axes,
                       microbatches=setup.microbatches, schedule=setup.schedule or "1f1b", clip_norm=cfg.optim.clip_norm,
-                      stage_sizes=setup.stage_sizes, precision=setup.precision,
+                      stage_sizes=setup.stage_sizes, precision=setup.precision, virtual_stages=setup.virtual_stages,
                       donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
@@ -206,6 +206,10 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
         view = shardings.describe_layout(params, axes, setup.layout, setup.mesh,
                                          comm=records[-1]["comm"] if records else None)
         Path(out_dir, "layout.json").write_text(json.dumps(view.to_dict(), indent=1) + "\n")
+        if getattr(step, "last", None) is not None:  # pp: the last step's schedule as planned and as it ran
+            from experiments import gantt  # matplotlib: only for pipeline runs
+
+            gantt.save(Path(out_dir, gantt.TIMELINE), step.schedule, step.last)
     return summary
 
 

@@ -43,7 +43,11 @@ IMPOSSIBLE = [
     (["pipeline.microbatches=3"], r"batch size=16 is not divisible by 6 \(2 data-parallel ranks × 3 pipeline micro"),
     (["data.batch_size=6"], r"batch size=6 is not divisible by 4"),
     (["model.config.layers=1"], r"the model has 1 blocks \(layers\), too few for pp=2 .*model.config.layers to 2"),
-    (["pipeline.schedule=interleaved"], r"pipeline.schedule='interleaved' is unknown.*\['1f1b', 'gpipe'\]"),
+    (["pipeline.schedule=interleaved"], r"pipeline.schedule='interleaved' is unknown.*'gpipe', 'interleaved_1f1b'"),
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=3", "data.batch_size=12"],
+     r"pipeline.schedule=interleaved_1f1b .*microbatches"),
+    (["pipeline.schedule=zb_v", "model.config.layers=3"],
+     r"the model has 3 blocks .*too few for pp=2 × 2 stage\(s\) per rank = 4"),
     (["pipeline.microbatches=0"], r"pipeline.microbatches=0 is not a positive int"),
     (["accum_steps=2", "pipeline.microbatches=4"], r"accum_steps=2 and pipeline.microbatches=4 both set"),
     (["model=mlp", "model.name=tests.experiments.rank_skew"], r"rank_skew declares no pipeline stages"),
@@ -65,6 +69,24 @@ def test_pp_on_real_processes_trains_and_measures_the_bubble(tmp_path):
     assert [r["step"] for r in records] == [1, 2] and all(map(math.isfinite, (r["loss"] for r in records)))
     bubble = records[-1]["pipeline"]["bubble"]  # each of the 2 stages' measured idle fraction
     assert len(bubble) == 2 and all(0 <= b < 1 for b in bubble)
+
+
+def test_zb_v_on_real_processes_leaves_a_measured_gantt_chart(tmp_path):
+    """Two stages per rank (ZB-V: rank r runs stages r and 3-r) on 2 gloo processes; the run directory holds the
+    last step's timeline, and experiments.report draws it as planned and as measured."""
+    from experiments import gantt
+    from experiments.report import main as report
+
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", *FAST, "model.config.layers=4", "layout=pp",
+                           "mesh=pp2", "pipeline.schedule=zb_v", "pipeline.microbatches=4", "steps=2",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads((tmp_path / gantt.TIMELINE).read_text())
+    assert found["name"] == "zb_v" and {b[0] for b in found["measured"]} == {0, 1}  # both ranks' actions
+    kinds = {b[3] for b in found["measured"]}
+    assert {"F", "B", "W"} <= kinds
+    assert report([str(tmp_path)]) == 0
+    assert (tmp_path / "gantt_planned_0.png").stat().st_size > 0 and (tmp_path / "gantt_measured_0.png").exists()
 
 
 def test_simulated_pp_train_records_the_pipeline_and_resumes_under_dp(tmp_path):
