@@ -351,7 +351,7 @@ def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[A
     make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
     low = low_dtype(precision)
     if low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps:  # see tolerance.LOW_PRECISION_ULPS
-        terms, ulps = terms or 1, ulps if ulps is not None else LOW_PRECISION_ULPS
+        terms, ulps = terms or 1, ulps if ulps is not None else LOW_PRECISION_ULPS.get(low, 8.0)
     terms = terms or max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
     ulps = ulps if ulps is not None else ULPS
     loss_fn, key = functools.partial(loss, cfg=cfg), core.random.key(seed)
