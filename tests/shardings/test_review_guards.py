@@ -177,7 +177,7 @@ def _ep_memory(divisors):
     out = {role: 4 * (dense // d + expert // e) * (2 if role == "opt_state" else 1) for role, (d, e) in
            zip(("params", "grads", "opt_state"), divisors)}
     out["opt_state"] += 4
-    return out
+    return {**out, "compute": 0, "host": 0}  # fp32: no compute-dtype copy; nothing offloaded
 
 
 def _ep_comm(layout, mesh, rows):
