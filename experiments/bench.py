@@ -222,7 +222,7 @@ def _same_loss(pair: str, ours: float, native: float) -> bool:
     """fp32: rtol 1e-4; bf16: the tolerance rule at bf16 (the two sides round in different kernels)."""
     if not _PAIRS[pair].bf16:
         return abs(ours - native) <= 1e-4 * max(1.0, abs(native))
-    tol = tolerance(torch.tensor(native), ulps=LOW_PRECISION_ULPS, dtype=torch.bfloat16)
+    tol = tolerance(torch.tensor(native), ulps=LOW_PRECISION_ULPS[torch.bfloat16], dtype=torch.bfloat16)
     return abs(ours - native) <= tol.rtol * abs(native) + tol.atol
 
 
