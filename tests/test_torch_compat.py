@@ -190,3 +190,18 @@ def test_the_suite_marks_a_test_that_simulates_through_helpers_and_fixtures(tmp_
             shardings.launch(print, 2)
     """))
     assert _simulating(module) == {"_inner", "_outer", "world", "test_via_helpers"}
+
+
+def test_zero_bubble_w_on_a_torch_that_cannot_says_so(monkeypatch):
+    """torch 2.11's autograd.grad refuses GradientEdges of custom Function nodes ("_input_metadata ... legacy
+    access pattern"); W then fails with the version and the schedules that work there, not torch's message."""
+    import torch
+
+    from shardings.runtime import compat
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase.")
+
+    monkeypatch.setattr(torch.autograd, "grad", refuses)
+    with pytest.raises(RuntimeError, match=r"zero-bubble schedule's W .*needs torch >= 2.13.*Fix: use gpipe, 1f1b"):
+        compat.grad_from_edges([], [], [])

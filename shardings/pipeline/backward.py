@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from shardings.runtime.compat import grad_from_edges
+
 __all__ = ["Deferred", "backward_input", "backward_weight"]
 
 
@@ -111,7 +113,7 @@ def backward_weight(deferred: Deferred, params: Sequence[torch.Tensor]) -> list[
                     edges.append(GradientEdge(node, nr))
                     grads.append(g)
         if edges:
-            found = torch.autograd.grad(edges, [params[i] for i in indices], grads, allow_unused=True)
+            found = grad_from_edges(edges, [params[i] for i in indices], grads)  # torch.autograd.grad
             for i, g in zip(indices, found):
                 out[i] = g
     return out

@@ -36,6 +36,7 @@ __all__ = [
     "all_gather_single",
     "c10d_functional_op",
     "enabled_local_tensor_mode",
+    "grad_from_edges",
     "maybe_disable_local_tensor_mode",
     "maybe_run_for_local_tensor",
     "rank_map",
@@ -162,3 +163,26 @@ all_gather_single: Callable[..., torch.Tensor] = getattr(funcol, "all_gather_sin
 reduce_scatter_single: Callable[..., torch.Tensor] = (
     getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 )
+
+
+def grad_from_edges(edges: Any, inputs: Any, grads: Any) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(edges, inputs, grads, allow_unused=True)`` from ``GradientEdge`` outputs (a zero-bubble
+    schedule's ``W``), with a clear error where torch cannot.
+
+    torch 2.11's ``autograd.grad`` reads each edge's ``node._input_metadata``, which a custom ``autograd.Function``'s
+    node refuses there (a "legacy access pattern" error; 2.13 allows it), and its engine, called directly, does not
+    restart from several such edges either (measured with ``make test-torch211``).
+
+    Raises:
+        ShardingError: on such a torch, naming the version and the schedules that work there.
+    """
+    try:
+        return torch.autograd.grad(edges, inputs, grads, allow_unused=True)
+    except RuntimeError as e:
+        if "_input_metadata" not in str(e):
+            raise
+        raise sharding_error(
+            f"a zero-bubble schedule's W (the weight gradients, restarted from the nodes its B recorded) needs torch "
+            f">= {SIMULATION_TORCH} when the model has custom autograd Functions; installed: {torch.__version__}",
+            fix="use gpipe, 1f1b or interleaved_1f1b on this torch, or install torch>=2.13", cls=RuntimeError,
+        ) from e

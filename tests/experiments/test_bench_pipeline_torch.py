@@ -2,9 +2,14 @@
 agree (the bench raises otherwise), and each row carries times, saved-activation peaks and bubbles (no
 wall-clock assertions)."""
 
+import pytest
+import torch
+
 from experiments import bench_pipeline_torch
 
 
+@pytest.mark.skipif(torch.__version__ < (2, 13), reason="zero-bubble W on real processes needs torch >= 2.13 "
+                    "(2.11's autograd cannot restart backward from a custom Function's node: compat.grad_from_edges)")
 def test_every_pair_runs_and_both_sides_agree():
     rows = bench_pipeline_torch.main(["--config", "tiny", "--m", "4", "--microbatch", "1", "--steps", "1"])
     assert [(r["ours"], r["torch"]) for r in rows] == list(bench_pipeline_torch.PAIRS.items())

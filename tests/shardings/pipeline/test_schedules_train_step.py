@@ -2,6 +2,7 @@
 a rank (``Schedule.rank_of``), and the step, ``shardings.init`` and the checkpoint-free equivalence agree on it."""
 
 import pytest
+import torch
 
 from models import gpt
 from shardings import Mesh
@@ -31,6 +32,8 @@ def test_interleaved_with_three_chunks_per_rank_on_tp():
     assert report.ok
 
 
+@pytest.mark.skipif(torch.__version__ < (2, 13), reason="zero-bubble W on real processes needs torch >= 2.13 "
+                    "(2.11's autograd cannot restart backward from a custom Function's node: compat.grad_from_edges)")
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_v"])
 def test_two_stages_per_rank_on_real_processes(schedule):
     _check("pp", Mesh(pp=2), schedule, runtime="multiprocess")
