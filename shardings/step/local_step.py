@@ -283,7 +283,7 @@ def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_
     fused_step = getattr(optimizer, "fused_step", None)
     if fused_step is not None and fusable(blocks, local_state, local_grads):
         if not donate:
-            blocks = [x.clone() for x in blocks]
+            blocks = blocks if offload else [x.clone() for x in blocks]  # offloaded: already fresh host copies
             local_state = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, local_state)
         new, new_state = fused_step(local_grads, local_state, tree.unflatten(treedef, blocks))
     else:
