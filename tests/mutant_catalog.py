@@ -19,22 +19,22 @@ class Mutant(NamedTuple):
 
 
 # Node ids; a parametrized case's id (the part in brackets) is pytest's and is checked only by running.
-T_COLL = "tests/shardings/test_collectives.py"
-T_LOCAL = ("tests/shardings/test_local_step.py::"
+T_COLL = "tests/shardings/comm/test_collectives.py"
+T_LOCAL = ("tests/shardings/step/test_local_step.py::"
            "test_local_path_matches_the_single_device_reference_with_accumulation_clipping_and_small_buckets")
-T_RING = "tests/shardings/test_ring_attention.py"
-T_KERNELS = "tests/shardings/test_attention_kernels.py"
-T_MP = "tests/shardings/test_mixed_precision.py"
+T_RING = "tests/shardings/ops/test_ring_attention.py"
+T_KERNELS = "tests/shardings/ops/test_attention_kernels.py"
+T_MP = "tests/shardings/step/test_mixed_precision.py"
 T_SCHEDULE = "tests/shardings/pipeline/test_schedule.py"
 T_PIPE = "tests/shardings/pipeline/test_execute.py"
-T_RULES = "tests/shardings/test_rules.py"
-T_DESIGN = "tests/shardings/test_layouts.py::test_design_table"
-T_CP_EP = "tests/shardings/test_layouts_cp_ep.py"  # written for the drill: rule changes equivalence cannot see
+T_RULES = "tests/shardings/spec/test_rules.py"
+T_DESIGN = "tests/shardings/spec/test_layouts.py::test_design_table"
+T_CP_EP = "tests/shardings/spec/test_layouts_cp_ep.py"  # written for the drill: rule changes equivalence cannot see
 T_MOE = "tests/models/test_moe.py::test_moe_mlp_equals_loop_reference"
 T_MOE_HAND = "tests/models/test_moe.py::"  # + a hand-computed case (an oracle calling moe.capacity cannot catch it)
-T_NLL = ("tests/shardings/test_vocab_parallel.py::"
+T_NLL = ("tests/shardings/ops/test_vocab_parallel.py::"
          "test_per_token_nll_equals_torchs_cross_entropy_with_three_small_all_reduces")
-T_CKPT = "tests/shardings/test_checkpoint.py"
+T_CKPT = "tests/shardings/checkpoint/test_checkpoint.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- the collectives' transposes (shard_map's check_rep=False convention) --------------------------
@@ -74,14 +74,14 @@ MUTANTS: tuple[Mutant, ...] = (
            "for earlier in axes[:k] if index[earlier] > index[name])",
            "for earlier in axes[:k] if index[earlier] < index[name])",
            "a tuple of axes out of mesh order gets the split factors of the opposite order (_StridedShard)",
-           ("tests/shardings/test_lower.py::test_to_placements_examples",
-            "tests/shardings/test_lower.py::test_to_placements_three_axes_split_factors")),
+           ("tests/shardings/spec/test_lower.py::test_to_placements_examples",
+            "tests/shardings/spec/test_lower.py::test_to_placements_three_axes_split_factors")),
     Mutant("lower-chunk-floor", "shardings/spec/lower.py",
            "step = -(-(stop - start) // n_chunks)",
            "step = (stop - start) // n_chunks",
            "local_block cuts uneven dims with floor instead of torch.chunk's ceil (the last elements go nowhere)",
-           ("tests/shardings/test_lower.py::test_local_block_examples",
-            "tests/shardings/test_lower.py::test_local_blocks_cover_each_element_once_per_replica")),
+           ("tests/shardings/spec/test_lower.py::test_local_block_examples",
+            "tests/shardings/spec/test_lower.py::test_local_blocks_cover_each_element_once_per_replica")),
     # -- the layout rules (presets) ------------------------------------------------------------------
     Mutant("hsdp-shards-over-dp", "shardings/spec/layouts.py",
            '_HSDP = _shard_params_over("fsdp")',
@@ -105,7 +105,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "ep's rules rank after the data presets' and tp's: tokens stop splitting over ep (ep ranks duplicate "
            "work) and tp's expert -> None wins",
            (f"{T_CP_EP}::test_ep_splits_tokens_over_ep_and_experts_in_every_role",
-            "tests/shardings/test_review_guards.py::test_ep_layouts_persistent_bytes_per_role_and_collectives_per_step")),
+            "tests/shardings/step/test_ep_memory_and_comms.py::test_ep_layouts_persistent_bytes_per_role_and_collectives_per_step")),
     # -- bucket and microbatch averaging ----------------------------------------------------------------
     Mutant("local-token-total-not-all-reduced", "shardings/step/local_step.py",
            'counts = fc.wait(funcol.all_reduce(counts, "sum", comm.group(m)))',
@@ -121,7 +121,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "weight = self.token_count(mb) / total_tokens",
            "weight = 1 / self.accum_steps",
            "the DTensor path averages microbatch means instead of weighing each by its share of the tokens",
-           ("tests/shardings/test_layout_matrix.py::test_layout_matrix_matches_the_single_device_reference",)),
+           ("tests/shardings/step/test_layout_matrix.py::test_layout_matrix_matches_the_single_device_reference",)),
     Mutant("reduce-scatter-pack-leaf-major", "shardings/comm/flat_comm.py",
            "flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])",
            "flat = torch.cat([c[r].reshape(-1) for c in chunks for r in range(n)])",
@@ -137,8 +137,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "nxt = self.buckets[self.order[at + 1]]",
            "nxt = self.buckets[self.order[at - 1]]",
            "backward prefetches the bucket it already re-gathered (at the first: the last one) instead of the next",
-           ("tests/shardings/test_local_step.py::test_zero3_regathers_buckets_in_backward_prefetching_the_next",
-            "tests/shardings/test_review_guards.py::"
+           ("tests/shardings/step/test_local_step.py::test_zero3_regathers_buckets_in_backward_prefetching_the_next",
+            "tests/shardings/residency/test_zero3_regather.py::"
             "test_dtensor_path_zero3_regathers_buckets_in_backward_prefetching_the_next")),
     # -- ring attention: the mask and the online-softmax merge ------------------------------------------
     Mutant("ring-diagonal-unmasked", "shardings/ops/ring_attention.py",
@@ -214,7 +214,7 @@ MUTANTS: tuple[Mutant, ...] = (
            'shift = reduce(block.detach().amax(-1), "max")',
            'shift = reduce(block.detach().amax(-1), "sum")',
            "the logsumexp shift sums the blocks' maxima instead of taking their max (exact in math; exp underflows)",
-           ("tests/shardings/test_review_guards.py::"
+           ("tests/shardings/ops/test_vocab_parallel.py::"
             "test_vocab_parallel_cross_entropy_on_logits_of_magnitude_1e4_equals_one_device_and_torch",)),
     Mutant("vocab-target-not-all-reduced", "shardings/ops/vocab_parallel.py",
            'target = reduce(block.gather(-1, idx[..., None]).squeeze(-1) * hit, "sum")',
@@ -264,7 +264,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "blocks, local_grads = [host.to_host(b) for b in blocks], host.to_host(local_grads)",
            "blocks = [host.to_host(b) for b in blocks]",
            "with the optimizer offloaded, the host update reads the gradients where they are, on the device",
-           ("tests/shardings/test_offload.py::test_offloaded_layouts_equal_their_device_twins_bitwise_and_move_"
+           ("tests/shardings/residency/test_offload.py::test_offloaded_layouts_equal_their_device_twins_bitwise_and_move_"
             "exactly_their_bytes",)),
 )
 

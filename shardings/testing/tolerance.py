@@ -23,7 +23,7 @@ compute or reduce dtype's, whichever is coarser, ``terms`` is 1 and ``ulps`` is 
 matmuls accumulate in fp32 and round once, and the sums over ranks and microbatches run in the reduce dtype,
 so the two sides differ by a few roundings of each *result*, not by rounding noise growing with the sum's
 length; √terms (11 for 128 tokens) would let a 2× error through. Why these margins, measured as the share of
-8 ulps the worst comparison used: across the layouts of ``tests/shardings/test_mixed_precision.py`` (dp,
+8 ulps the worst comparison used: across the layouts of ``tests/shardings/step/test_mixed_precision.py`` (dp,
 ZeRO-1/2/3, tp, sp, cp, ep, pp, with accumulation and clipping, 3 AdamW steps) 0.51 in bf16 and 0.78 in fp16,
 and 0.97 in fp16 on ``models.mlp`` (a model the suite does not use): the params after AdamW, whose m/√v turns
 a gradient's rounding near zero into a learning-rate-sized step. fp16 rounds 8× finer than bf16, but the
@@ -33,7 +33,7 @@ rule above) catch a 1% error, and a wrong reduction (a rank's share missing, a s
 fails in bf16 too.
 
 The rule stays strict: a one-ulp difference in every element passes, and a 1e-3 relative error
-in one element of a tensor's typical magnitude fails (``tests/shardings/test_tolerance.py``), so
+in one element of a tensor's typical magnitude fails (``tests/shardings/testing/test_tolerance.py``), so
 does a 1% error in a gradient.
 """
 

@@ -1,15 +1,21 @@
 """shardings.ops.vocab_parallel: logsumexp block by block over a sharded dim (no gather of the logits), equal to
 torch's."""
 
+import itertools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import shardings
+from models.layers import cross_entropy
 from shardings import Mesh, P, per_rank, shard
 from shardings.ops.vocab_parallel import embedding, logsumexp, nll
 from shardings.testing import assert_close
+
+IGNORE = -100  # models.gpt.Config's ignore_index
 
 
 def _collectives(mode: CommDebugMode) -> dict[str, int]:
@@ -104,3 +110,68 @@ def test_per_token_nll_equals_torchs_cross_entropy_with_three_small_all_reduces(
     for v, g in zip(values, grads):
         assert_close(v, want.detach())
         assert_close(g, want_grad)
+
+
+# -- the vocab-parallel cross-entropy on large logits ------------------------------------------------------------------
+
+
+def _large_logits(kind, vocab, tp):
+    """``(4, 6, vocab)`` logits of magnitude 1e4 (exp() overflows without the max shift): spread (N(0, 1e4²): the
+    softmax is ~one-hot) or shifted (1e4 + N(0, 3²): a full softmax on top of a large common offset); labels with
+    about a quarter ignored; a cotangent per token."""
+    gen = torch.Generator().manual_seed(tp + vocab)
+    noise = torch.randn(4, 6, vocab, generator=gen)
+    x = noise * 1e4 if kind == "spread" else 1e4 + 3 * noise
+    labels = torch.randint(0, vocab, (4, 6), generator=gen)
+    ignored = labels.masked_fill(torch.rand(4, 6, generator=gen) < 0.25, IGNORE)
+    return x, labels, ignored, torch.randn(4, 6, generator=gen)
+
+
+def _vocab_parallel(x, labels, ignored, cot, tp):
+    """On tp simulated ranks, x's vocab dim sharded: per rank, per-token nll and its gradient, the mean loss
+    (``cross_entropy`` with ignored labels) and its gradient, as full tensors."""
+    with shardings.simulate(tp):
+        mesh = Mesh(tp=tp)
+        logits = shard(x, P(None, None, "tp"), mesh).requires_grad_()
+        per_token = nll(logits, shard(labels, P(), mesh))
+        (grad,) = torch.autograd.grad(per_token, logits, shard(cot, P(), mesh))
+        logits = shard(x, P(None, None, "tp"), mesh).requires_grad_()
+        mean = cross_entropy(logits, shard(ignored, P(), mesh), IGNORE)
+        (mean_grad,) = torch.autograd.grad(mean, logits)
+        return list(zip(*(shardings.per_rank(t.full_tensor()) for t in (per_token, grad, mean, mean_grad))))
+
+
+def _values_and_grads(fn, x, labels, ignored, cot):
+    ref = x.clone().requires_grad_()
+    per_token = fn(ref, labels, None)
+    (grad,) = torch.autograd.grad(per_token, ref, cot)
+    ref = x.clone().requires_grad_()
+    mean = fn(ref, ignored, IGNORE)
+    (mean_grad,) = torch.autograd.grad(mean, ref)
+    return per_token.detach(), grad, mean.detach(), mean_grad
+
+
+def _ours(x, labels, ignore_index):  # shardlab's single-device loss: what the gpt reference runs
+    return nll(x, labels) if ignore_index is None else cross_entropy(x, labels, ignore_index)
+
+
+def _torch(x, labels, ignore_index):
+    if ignore_index is None:
+        return F.cross_entropy(x.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    return F.cross_entropy(x.flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
+
+
+# vocab 64: nll's block function on each rank's block; vocab 60 over tp 8: uneven blocks, the composite form
+@pytest.mark.parametrize(("kind", "vocab", "tp"), list(itertools.product(["spread", "shifted"], [64, 60], [4, 8])))
+def test_vocab_parallel_cross_entropy_on_logits_of_magnitude_1e4_equals_one_device_and_torch(kind, vocab, tp):
+    x, labels, ignored, cot = _large_logits(kind, vocab, tp)
+    references = {"one device": _values_and_grads(_ours, x, labels, ignored, cot),
+                  "torch": _values_and_grads(_torch, x, labels, ignored, cot)}
+    names = ("per-token loss", "its gradient", "mean loss", "its gradient")
+    for rank, got in enumerate(_vocab_parallel(x, labels, ignored, cot, tp)):
+        for reference, want in references.items():
+            for name, g, w in zip(names, got, want):
+                assert w.isfinite().all(), name
+                # a loss subtracts logits of size |x| (the rule's magnitude); gradients take the plain rule
+                magnitude = float(x.abs().max()) if "loss" in name else None
+                assert_close(g, w, terms=vocab, magnitude=magnitude, msg=f"rank {rank} vs {reference}, {name}")

@@ -8,9 +8,10 @@ params, every rank, every step), random draws of the same kind, and the pieces r
   docs/equivalence.md's coverage matrix is generated from them (:func:`coverage_matrix`).
 - the ``layouts()`` strategy draws every valid composition.
 
-Beside it: tests/shardings/test_external_reference.py (torch's DDP and FSDP2 on the same weights) and
-tests/shardings/test_review_guards.py (places a review found unguarded: the DTensor path's ZeRO-3 prefetch order,
-vocab-parallel cross-entropy on logits of 1e4, ep layouts' bytes per role).
+Beside it: tests/shardings/step/test_external_reference.py (torch's DDP and FSDP2 on the same weights),
+tests/shardings/residency/test_zero3_regather.py (the DTensor path's ZeRO-3 prefetch order),
+tests/shardings/ops/test_vocab_parallel.py (cross-entropy on logits of 1e4) and
+tests/shardings/step/test_ep_memory_and_comms.py (ep layouts' bytes per role).
 """
 
 import dataclasses
@@ -259,7 +260,7 @@ def test_the_coverage_matrix_in_the_docs_is_generated_from_the_cases():
     assert found, "docs/equivalence.md lost its <!-- coverage-matrix --> markers"
     assert found.group(1) == coverage_matrix(), (
         "docs/equivalence.md's coverage matrix is out of date. Fix: replace it with the output of "
-        "`python -c 'from tests.shardings.test_coverage import coverage_matrix; print(coverage_matrix())'`"
+        "`python -c 'from tests.shardings.step.test_layout_coverage import coverage_matrix; print(coverage_matrix())'`"
     )
 
 
