@@ -29,7 +29,7 @@ T_SCHEDULE = "tests/shardings/pipeline/test_schedule.py"
 T_PIPE = "tests/shardings/pipeline/test_execute.py"
 T_RULES = "tests/shardings/spec/test_rules.py"
 T_DESIGN = "tests/shardings/spec/test_layouts.py::test_design_table"
-T_CP_EP = "tests/shardings/spec/test_layouts_cp_ep.py"  # written for the drill: rule changes equivalence cannot see
+T_CP_EP = "tests/shardings/spec/test_presets.py"  # written for the drill: rule changes equivalence cannot see
 T_MOE = "tests/models/test_moe.py::test_moe_mlp_equals_loop_reference"
 T_MOE_HAND = "tests/models/test_moe.py::"  # + a hand-computed case (an oracle calling moe.capacity cannot catch it)
 T_NLL = ("tests/shardings/ops/test_vocab_parallel.py::"
@@ -83,27 +83,27 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/spec/test_lower.py::test_local_block_examples",
             "tests/shardings/spec/test_lower.py::test_local_blocks_cover_each_element_once_per_replica")),
     # -- the layout rules (presets) ------------------------------------------------------------------
-    Mutant("hsdp-shards-over-dp", "shardings/spec/layouts.py",
+    Mutant("hsdp-shards-over-dp", "shardings/spec/presets.py",
            '_HSDP = _shard_params_over("fsdp")',
            "_HSDP = _shard_params_over(DATA_AXES)",
            "hsdp shards parameters over dp too (it becomes zero3: no replica axis)",
            (T_DESIGN,)),
-    Mutant("sp-outranks-tp", "shardings/spec/layouts.py",
-           'group="sp", needs=(("tp",),), after=("tp",), rank=20)',
-           'group="sp", needs=(("tp",),), after=("tp",), rank=5)',
-           "sp's seq -> tp rule ranks before tp's, so attention and MLP activations put seq on tp, not heads/mlp",
+    Mutant("sp-outranks-tp", "shardings/spec/presets.py",
+           'tier="sequence", **_IN_STAGES)',
+           'tier="data", **_IN_STAGES)',
+           "sp's seq -> tp rule is in a tier before tp's: attention and MLP activations put seq on tp, not heads/mlp",
            (T_DESIGN,)),
-    Mutant("cp-kv-seq-replicated", "shardings/spec/layouts_cp_ep.py",
+    Mutant("cp-kv-seq-replicated", "shardings/spec/presets.py",
            'register("cp", Layout(batch=_SEQ, activations=_SEQ + Rules([("kv_seq", CP_AXIS)])),',
            'register("cp", Layout(batch=_SEQ, activations=_SEQ + Rules([("kv_seq", None)])),',
            "preset cp replicates kv_seq: attention all-gathers K/V (cp_allgather's memory) instead of the ring",
            (f"{T_CP_EP}::test_cp_rings_kv_and_cp_allgather_gathers_them",
             f"{T_RING}::test_ring_passes_kv_cp_minus_one_times_forward_and_kv_dkv_in_backward")),
-    Mutant("ep-ranks-after-data", "shardings/spec/layouts_cp_ep.py",
-           "group=\"ep\", needs=((EP_AXIS,),), rank=-10)",
-           "group=\"ep\", needs=((EP_AXIS,),), rank=30)",
-           "ep's rules rank after the data presets' and tp's: tokens stop splitting over ep (ep ranks duplicate "
-           "work) and tp's expert -> None wins",
+    Mutant("ep-ranks-after-data", "shardings/spec/presets.py",
+           'group="ep", needs=((EP_AXIS,),), tier="expert",',
+           'group="ep", needs=((EP_AXIS,),), tier="pipeline",',
+           "ep's rules come in a tier after the data presets' and tp's: tokens stop splitting over ep (ep ranks "
+           "duplicate work) and tp's expert -> None wins",
            (f"{T_CP_EP}::test_ep_splits_tokens_over_ep_and_experts_in_every_role",
             "tests/shardings/step/test_ep_memory_and_comms.py::test_ep_layouts_persistent_bytes_per_role_and_collectives_per_step")),
     # -- bucket and microbatch averaging ----------------------------------------------------------------

@@ -15,8 +15,8 @@ import re
 from typing import Any
 
 from core import tree
+from shardings.spec import layouts
 from shardings.spec.layouts import Layout
-from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import is_names, logical_to_spec
 
@@ -114,7 +114,7 @@ def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any
     >>> print(view.rows[0].specs["params"], view.rows[0].specs["compute"])
     P('dp', 'tp') P(None, 'tp')
     """
-    layout = get_layout(layout)
+    layout = layouts.get(layout)
     names = dict((tree.keystr(p), n) for p, n in tree.leaves_with_path(axes, is_leaf=is_names))
     groups: dict[tuple, list[tuple[int, ...]]] = {}
     for path, x in tree.leaves_with_path(params):
@@ -153,22 +153,18 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     >>> print(rules_table(("dp",)).splitlines()[2])
     | `batch` | BA→(dp,fsdp) |
     """
-    from shardings.spec.layouts import _PRESETS  # the registry, presets in registration order
-
+    tables = {p: layouts.preset(p).layout for p in layouts.names(aliases=False)}  # in registration order
     # presets without rules (offload_*: they move a role to host memory, not a name to an axis) have no column
-    presets = presets or tuple(p for p in _PRESETS if any(getattr(_PRESETS[p].layout, r).names for r in _ROLE_LETTERS))
-    names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS
-                               for n in getattr(_PRESETS[p].layout, role).names))
-    from shardings.spec.layouts import LOGICAL_NAMES
-
-    names = [n for n in LOGICAL_NAMES if n in names] + [n for n in names if n not in LOGICAL_NAMES]
+    presets = presets or tuple(p for p, t in tables.items() if any(getattr(t, r).names for r in _ROLE_LETTERS))
+    names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS for n in getattr(tables[p], role).names))
+    names = [n for n in layouts.LOGICAL_NAMES if n in names] + [n for n in names if n not in layouts.LOGICAL_NAMES]
     lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
     for name in names:
         cells = []
         for p in presets:
             by_target: dict[str, str] = {}
             for role, letter in _ROLE_LETTERS.items():
-                targets = getattr(_PRESETS[p].layout, role).targets(name)
+                targets = getattr(tables[p], role).targets(name)
                 if targets:
                     text = _target_text(targets)
                     by_target[text] = by_target.get(text, "") + letter

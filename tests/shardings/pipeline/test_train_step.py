@@ -68,7 +68,7 @@ def user_preset(monkeypatch):
     monkeypatch.setattr(layouts, "_PRESETS", dict(layouts._PRESETS))
     mlp_only = Rules(mlp="tp")
     layouts.register("mlp_tp", layouts.Layout(params=mlp_only, compute=mlp_only, grads=mlp_only, opt_state=mlp_only),
-                     group="tp", needs=(("tp",),), rank=10)
+                     group="tp", needs=(("tp",),), tier="tensor")
 
 
 def test_bad_input_is_refused_before_any_work(user_preset):

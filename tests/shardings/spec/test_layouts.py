@@ -231,7 +231,7 @@ def test_register_a_user_preset(own_registry):
         layouts.Layout(params=mlp_only, compute=mlp_only, grads=mlp_only, opt_state=mlp_only, activations=mlp_only),
         group="tp",
         needs=(("tp",),),
-        rank=10,
+        tier="tensor",
     )
     assert "mlp_tp" in layouts.names()
     layout = layouts.get("mlp_tp+zero3")
