@@ -6,16 +6,27 @@ zero-bubble ``zb_h1`` and ``zb_v``, or any list of actions per rank that :func:`
 rank does in which order; :func:`run` executes it. ``docs/pipeline.md`` shows how to write your own.
 """
 
-from shardings.pipeline.builders import SCHEDULES, build
 from shardings.pipeline.check import check
 from shardings.pipeline.execute import Result, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
-from shardings.pipeline.schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b, program
+from shardings.pipeline.schedule import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    build,
+    gpipe,
+    one_f_one_b,
+    program,
+    register_schedule,
+)
 from shardings.pipeline.stages import Split, Stages, split
 from shardings.pipeline.wire import Message
 from shardings.pipeline.zero_bubble import zb_h1, zb_v
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "SCHEDULES",
     "Action",
     "Message",
@@ -31,6 +42,7 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "program",
+    "register_schedule",
     "run",
     "split",
     "zb_h1",

@@ -11,7 +11,15 @@ microbatches go in groups of ``pp``; a rank runs a group through chunk 0, then c
 
 from __future__ import annotations
 
-from shardings.pipeline.schedule import Action, Schedule, ScheduleError, check_sizes, program
+from shardings.pipeline.schedule import (
+    DEFAULT_VIRTUAL_STAGES,
+    Action,
+    Schedule,
+    ScheduleError,
+    check_sizes,
+    program,
+    register_schedule,
+)
 from shardings.spec.errors import sharding_error
 
 __all__ = ["interleaved_1f1b"]
@@ -24,7 +32,8 @@ def _virtual(pp: int, v: int, k: int, forward: bool) -> tuple[int, int]:
     return (chunk if forward else v - 1 - chunk), (k // (pp * v)) * pp + in_group % pp
 
 
-def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+@register_schedule("interleaved_1f1b", stages_per_rank=None)  # the caller chooses its virtual stages
+def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int = DEFAULT_VIRTUAL_STAGES) -> Schedule:
     """Interleaved 1F1B with ``virtual_stages`` chunks per rank (module docstring).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Pipeline-parallel schedules as data: each rank's actions in program order, a unit-time table, builders.
+"""Pipeline-parallel schedules as data: each rank's actions in program order, a unit-time table, the registry.
 
 A ``Schedule`` says *what* each rank does and in which order (forward, backward, send, receive); an executor
 runs it and ``shardings.pipeline.check`` proves it sound. Timing is derived, never stored: ``timeline`` runs
@@ -11,16 +11,43 @@ waits for): a schedule with any ``W`` splits every backward. Unit time is the ze
 = 1, except that a whole backward also takes one slot: the bubble *fractions* of GPipe, 1F1B and interleaved
 1F1B are the same whether it takes one slot or two (all their idle time scales with F + B), so fractions compare
 across schedules.
+
+Schedules are known by name through one registry: a builder declares itself where it is defined
+(:func:`register_schedule`, as ``gpipe`` and ``one_f_one_b`` below), with the number of stages it runs per
+rank, as ``torch.distributed.pipelining``'s schedule classes carry theirs; :func:`build` makes one by name, and
+``SCHEDULES``/``VIRTUAL_STAGES`` are read-only views of the registry. Adding a schedule is one module (and
+its import in ``shardings.pipeline``) plus its tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from types import MappingProxyType
+from typing import TypeVar
 
 from shardings.spec.errors import ShardingError, sharding_error
 
-__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "program", "timeline"]
+__all__ = [
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_VIRTUAL_STAGES",
+    "SCHEDULES",
+    "VIRTUAL_STAGES",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "build",
+    "gpipe",
+    "one_f_one_b",
+    "program",
+    "register_schedule",
+    "stages_per_rank",
+    "timeline",
+]
+
+DEFAULT_SCHEDULE = "1f1b"  # what a pipelined run gets when it names none
+DEFAULT_VIRTUAL_STAGES = 2  # stages per rank where the caller chooses (interleaved_1f1b) and does not say
 
 COMPUTE = ("F", "B", "W")
 COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -236,6 +263,79 @@ def program(computes: list[Action], stages: int) -> tuple[Action, ...]:
     return tuple(x for a in computes for x in wrap[a.kind](a.stage, a.mb, stages - 1))
 
 
+# -- the registry ------------------------------------------------------------------------------------------------
+_BUILDERS: dict[str, Callable[..., Schedule]] = {}
+_STAGES_PER_RANK: dict[str, int | None] = {}
+SCHEDULES = MappingProxyType(_BUILDERS)  # name -> builder(pp, microbatches[, virtual_stages])
+VIRTUAL_STAGES = MappingProxyType(_STAGES_PER_RANK)  # name -> stages per rank, None: the caller's virtual_stages
+Builder = TypeVar("Builder", bound=Callable[..., Schedule])
+
+
+def register_schedule(name: str, builder: Builder | None = None, *,
+                      stages_per_rank: int | None = 1) -> Builder | Callable[[Builder], Builder]:
+    """Make ``builder(pp, microbatches)`` known as ``name`` to :func:`build` (and so to ``train_step``, the
+    pipeline plan and the ``pipeline.schedule`` setting of the experiment apps). Usable as a decorator.
+
+    Args:
+        name: the schedule's name.
+        builder: ``(pp, microbatches) -> Schedule``; with ``stages_per_rank=None``,
+            ``(pp, microbatches, virtual_stages=v) -> Schedule``.
+        stages_per_rank: model chunks each rank runs (1 for GPipe and 1F1B, 2 for ZB-V), or ``None`` where the
+            caller chooses them with ``virtual_stages`` (default :data:`DEFAULT_VIRTUAL_STAGES`).
+
+    >>> @register_schedule("gpipe_again")
+    ... def gpipe_again(pp, microbatches):
+    ...     return gpipe(pp, microbatches)  # doctest: +SKIP
+    """
+    def add(fn: Builder) -> Builder:
+        _BUILDERS[name], _STAGES_PER_RANK[name] = fn, stages_per_rank
+        return fn
+
+    return add if builder is None else add(builder)
+
+
+def stages_per_rank(name: str, virtual_stages: int | None = None) -> int:
+    """The stages per rank of schedule ``name`` run with ``virtual_stages`` (checked; no schedule is built).
+
+    Raises:
+        ScheduleError: an unknown name, or ``virtual_stages`` for a schedule whose count is fixed.
+    """
+    if name not in _BUILDERS:
+        raise sharding_error(f"unknown pipeline schedule {name!r}", fix=f"use one of {sorted(_BUILDERS)}",
+                             cls=ScheduleError)
+    fixed = _STAGES_PER_RANK[name]
+    if fixed is None:
+        return DEFAULT_VIRTUAL_STAGES if virtual_stages is None else virtual_stages
+    if virtual_stages not in (None, fixed):
+        choose = sorted(n for n, v in _STAGES_PER_RANK.items() if v is None)
+        raise sharding_error(
+            f"pipeline schedule {name!r} runs {fixed} stage(s) per rank, got virtual_stages={virtual_stages}",
+            fix=f"leave virtual_stages out, or use {' or '.join(choose)} for any number of virtual stages",
+            cls=ScheduleError,
+        )
+    return fixed
+
+
+def build(name: str, pp: int, microbatches: int, *, virtual_stages: int | None = None) -> Schedule:
+    """The schedule ``name`` (a key of ``SCHEDULES``) for ``pp`` ranks and ``microbatches`` microbatches.
+
+    Args:
+        virtual_stages: chunks of the model per rank, for a schedule registered with ``stages_per_rank=None``
+            (``interleaved_1f1b``; default :data:`DEFAULT_VIRTUAL_STAGES`); the others have a fixed count
+            (``VIRTUAL_STAGES``) and accept only that. The split has ``pp * virtual_stages`` stages.
+
+    >>> build("1f1b", 2, 3).bubble() == 1 / 4
+    True
+    >>> build("interleaved_1f1b", 2, 4, virtual_stages=3).stages
+    6
+    """
+    v = stages_per_rank(name, virtual_stages)
+    if _STAGES_PER_RANK[name] is None:
+        return _BUILDERS[name](pp, microbatches, virtual_stages=v)
+    return _BUILDERS[name](pp, microbatches)
+
+
+@register_schedule("gpipe")
 def gpipe(pp: int, microbatches: int) -> Schedule:
     """GPipe: every rank runs all forwards, then all backwards, both in microbatch order 0..m-1.
 
@@ -257,6 +357,7 @@ def gpipe(pp: int, microbatches: int) -> Schedule:
     return Schedule("gpipe", pp, microbatches, ranks)
 
 
+@register_schedule("1f1b")
 def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then cool-down backwards.
 
@@ -280,4 +381,3 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
             actions += _backward(r, mb, last)
         ranks.append(tuple(actions))
     return Schedule("1f1b", pp, microbatches, tuple(ranks))
-

@@ -21,7 +21,7 @@ one is a candidate).
 
 from __future__ import annotations
 
-from shardings.pipeline.schedule import Action, Schedule, check_sizes, one_f_one_b, program
+from shardings.pipeline.schedule import Action, Schedule, check_sizes, one_f_one_b, program, register_schedule
 
 __all__ = ["zb_h1", "zb_v"]
 
@@ -78,6 +78,7 @@ def _list_schedule(name: str, pp: int, microbatches: int, placement: tuple[int, 
     return Schedule(name, pp, m, ranks, stages_per_rank=stages // pp, placement=placement)
 
 
+@register_schedule("zb_h1")
 def zb_h1(pp: int, microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's order and peak memory, weight gradients filling its bubble (module docstring).
 
@@ -90,6 +91,7 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
     return _list_schedule("zb_h1", pp, microbatches, tuple(range(pp)), [min(pp, microbatches)] * pp, order)
 
 
+@register_schedule("zb_v", stages_per_rank=2)
 def zb_v(pp: int, microbatches: int) -> Schedule:
     """ZB-V: two stages per rank in a V (rank ``r``: stages ``r`` and ``2 pp - 1 - r``), module docstring.
 

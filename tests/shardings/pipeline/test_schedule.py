@@ -8,14 +8,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardings.pipeline.builders import SCHEDULES, build
+from shardings.pipeline import schedule as registry
 from shardings.pipeline.check import check
 from shardings.pipeline.schedule import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    VIRTUAL_STAGES,
     Action,
     Schedule,
     ScheduleError,
+    build,
     gpipe,
     one_f_one_b,
+    register_schedule,
+    stages_per_rank,
     timeline,
 )
 
@@ -186,6 +192,41 @@ def test_build_names_the_known_schedules_and_rejects_bad_sizes():
             build(name, 0, 4)
         with pytest.raises(ValueError, match=r"microbatches=0. Fix: pass an integer microbatches >= 1"):
             build(name, 2, 0)
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """Register into copies of the schedule registry, restored after the test (SCHEDULES views the live one)."""
+    monkeypatch.setattr(registry, "_BUILDERS", dict(registry._BUILDERS))
+    monkeypatch.setattr(registry, "_STAGES_PER_RANK", dict(registry._STAGES_PER_RANK))
+
+
+def test_a_schedule_declares_itself_where_it_is_defined(own_registry):
+    """Adding a schedule is its builder and one register_schedule: build, the checks of virtual_stages and the
+    error listing the names all follow from the registry."""
+    @register_schedule("gpipe_v2", stages_per_rank=2)
+    def gpipe_v2(pp: int, microbatches: int) -> Schedule:
+        # gpipe over two chunks per rank, placed round robin (stage s on rank s % pp)
+        stages = 2 * pp
+        computes = [[Action("F", s, mb) for s in (r, r + pp) for mb in range(microbatches)]
+                    + [Action("B", s, mb) for s in (r + pp, r) for mb in range(microbatches)] for r in range(pp)]
+        return Schedule("gpipe_v2", pp, microbatches, tuple(registry.program(c, stages) for c in computes), 2)
+
+    schedule = build("gpipe_v2", 2, 2)
+    check(schedule)
+    assert schedule.stages == 4 and stages_per_rank("gpipe_v2") == 2
+    with pytest.raises(ScheduleError, match=r"'gpipe_v2' runs 2 stage\(s\) per rank.*use interleaved_1f1b"):
+        build("gpipe_v2", 2, 2, virtual_stages=3)
+    with pytest.raises(ScheduleError, match=r"use one of \[.*'gpipe_v2'"):
+        build("gpipe_v3", 2, 2)
+
+
+def test_the_registry_holds_each_builtin_schedule_once_with_its_stages_per_rank():
+    assert dict(VIRTUAL_STAGES) == {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "zb_h1": 1, "zb_v": 2}
+    assert SCHEDULES[DEFAULT_SCHEDULE] is one_f_one_b and DEFAULT_SCHEDULE == "1f1b"
+    assert stages_per_rank("interleaved_1f1b") == registry.DEFAULT_VIRTUAL_STAGES == 2
+    with pytest.raises(TypeError):
+        SCHEDULES["mine"] = gpipe  # a read-only view: register_schedule is the one way in
 
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
