@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 import core
-from core import tree
+from core import deferred, tree
 from shardings.comm.buckets import DEFAULT_BUCKET_MB
+from shardings.pipeline import plan as pipeline_plan
 from shardings.runtime.simulate import per_rank, simulate
 from shardings.spec.distribute import gather
 from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
 from shardings.step.initialize import init as sharded_init
-from shardings.step.pipeline_step import has_pp
 from shardings.step.train_step import train_step
 from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, diff, tolerance
 
@@ -185,7 +185,7 @@ def _rank_values(full_tree: Any) -> list[Any]:
 def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
     """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
     optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
-    where = {"schedule": step_kw["schedule"]} if "schedule" in step_kw else {}  # pp: which rank runs which stage
+    where = {"plan": step_kw["plan"]} if "plan" in step_kw else {}  # pp: which rank runs which stage
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
     loss_fn = loss_fn.build() if isinstance(loss_fn, _StagesOf) else loss_fn
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
@@ -258,7 +258,7 @@ def check_equivalence(
     donate: bool = False,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     stages: Callable[[Any], Any] | None = None,
-    schedule: Any = "1f1b",
+    schedule: Any = None,
     precision: Any = None,
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
@@ -303,8 +303,9 @@ def check_equivalence(
             several buckets (their boundaries, overlap and ZeRO-3 prefetch) on a small model.
         stages: for layouts with ``pp``: the model's stage declaration as a function of ``cfg``
             (``models.gpt.stages``); the pipeline then runs ``accum_steps`` microbatches (default ``pp``).
-        schedule: for layouts with ``pp``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
-            ``"zb_v"``) or a ``shardings.pipeline.Schedule``.
+        schedule: for layouts with ``pp``: a name from ``shardings.pipeline.SCHEDULES`` (default
+            ``shardings.pipeline.DEFAULT_SCHEDULE``) or a ``shardings.pipeline.Schedule``; the pipeline plan
+            (``shardings.pipeline.plan``) is made from it, ``accum_steps`` and the model's shapes.
         precision: a ``core.precision.Policy`` for both sides: the reference runs the same policy on one device
             (params cast to compute dtype, gradients rounded to reduce dtype, the same initial loss scale), and
             the tolerance rule uses the compute dtype's epsilon (:func:`check_runs`).
@@ -325,11 +326,14 @@ def check_equivalence(
         step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb,
                        precision=precision)
         layout_loss = loss_fn
-        if has_pp(layout):
+        if layout.pipelined:
             if stages is None:
                 raise ValueError(f"check_equivalence: layout {layout.name!r} pipelines the blocks. Fix: pass "
                                  "stages=model.stages (a function of cfg), e.g. stages=models.gpt.stages.")
-            layout_loss, step_kw["schedule"] = _StagesOf(stages, cfg), schedule
+            with deferred.deferred():  # shapes only: what the pipeline plan's split balances
+                shapes = init(key, cfg)
+            layout_loss, step_kw["plan"] = _StagesOf(stages, cfg), pipeline_plan(
+                layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks)
         runs[layout.name] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch, optimizer,
                                               steps, key, layout, mesh, step_kw)
     return check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm, seed=seed,
