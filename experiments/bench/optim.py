@@ -1,6 +1,6 @@
 """AdamW update on a gpt's parameter list: per leaf vs foreach vs ``torch.optim`` (a benchmark, not a test).
 
-``python -m experiments.bench_optim [--configs gpt_small narrow] [--repeats 30] [--threads N] [--csv F]``
+``python -m experiments.bench.optim [--configs gpt_small narrow] [--repeats 30] [--threads N] [--csv F]``
 
 One timed step is ``opt.update`` then ``apply_updates`` (ours: a pure function returning new params
 and state) or ``torch.optim.AdamW.step()`` (in place, on ``.grad``), on plain float32 tensors shaped
@@ -13,7 +13,7 @@ like ``models.gpt.init``'s params. Six rows per config:
 - ``torch_foreach`` / ``torch_for_loop`` / ``torch_fused``: ``torch.optim.AdamW(foreach=True / False,
   fused=True)``.
 
-Configs: ``gpt_small`` (as experiments/bench.py: 39 leaves, 3.7M params; memory-bound kernels),
+Configs: ``gpt_small`` (as experiments/bench/wrappers.py: 39 leaves, 3.7M params; memory-bound kernels),
 ``narrow`` (16 thin layers: 147 small leaves, where per-op Python overhead dominates).
 """
 
@@ -30,7 +30,7 @@ import torch
 import core
 import models.gpt as gpt
 from core import optim, tree
-from experiments.tables import write_csv
+from experiments.bench.tables import write_csv
 
 _CONFIGS = {
     "gpt_small": dict(vocab=2048, dim=256, layers=4, heads=8, mlp=768, seq_len=128),

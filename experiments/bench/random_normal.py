@@ -1,6 +1,6 @@
 """Throughput of ``core.random.normal`` against ``torch.randn`` (a benchmark, not a test).
 
-``python -m experiments.bench_random [--sizes 1048576 16777216] [--repeats 5] [--threads N]``
+``python -m experiments.bench.random_normal [--sizes 1048576 16777216] [--repeats 5] [--threads N]``
 
 ``core.random`` pays for being layout-invariant: about 110 int64 passes of Threefry-2x32-20 per pair
 of samples, against torch's fused Philox kernel. It runs once per parameter at init, so what matters

@@ -1,6 +1,6 @@
 """Pipeline parallelism measured: stage 0's activation memory, the bubble, step time against dp and zero3.
 
-``python -m experiments.bench_pipeline [--part a|b|c|all] [--config medium|tiny] [--ms 2 4 8 16]
+``python -m experiments.bench.pipeline [--part a|b|c|all] [--config medium|tiny] [--ms 2 4 8 16]
 [--microbatch 8] [--steps 5] [--rounds 2] [--batch 64] [--m 8]``
 
 On ``models.gpt`` (``--config``; ``medium`` has 8 blocks, 2 per stage at pp=4):
@@ -181,7 +181,7 @@ def step_time(cfg_kw: dict, batch_rows: int, m: int, steps: int, rounds: int) ->
     losses = {v: per_rank[0][v]["losses"] for v in ms}
     for v, got in losses.items():
         if any(abs(a - b) > 1e-4 * max(1.0, abs(b)) for a, b in zip(got, losses["dp"])):
-            raise RuntimeError(f"bench_pipeline (c): {v}'s losses at steps 1, 2 are {got}, dp's {losses['dp']}. "
+            raise RuntimeError(f"bench.pipeline (c): {v}'s losses at steps 1, 2 are {got}, dp's {losses['dp']}. "
                                "Fix: the variants must train the same model on the same batch.")
     return [{"variant": v, "mesh": "pp=4, 1f1b" if v == "pp" else "dp=4", "batch_rows": batch_rows,
              "microbatches": m if v == "pp" else 1, "step_ms": round(t, 1), "pp_over_this": round(ms["pp"] / t, 3),

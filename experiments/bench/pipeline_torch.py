@@ -1,11 +1,11 @@
 """Our pipeline schedules against ``torch.distributed.pipelining`` on 4 gloo processes, pair by pair.
 
-``python -m experiments.bench_pipeline_torch [--config medium|tiny] [--m 8] [--microbatch 8] [--steps 5]``
+``python -m experiments.bench.pipeline_torch [--config medium|tiny] [--m 8] [--microbatch 8] [--steps 5]``
 
 Pairs: ``gpipe``/``ScheduleGPipe`` and ``1f1b``/``Schedule1F1B`` on 4 stages (rank r: stage r), and
 ``interleaved_1f1b``/``ScheduleInterleaved1F1B`` (rank r: stages r, r + 4) and ``zb_v``/``ScheduleZBVZeroBubble``
 (rank r: stages r, 7 − r) on 8 stages, all of ``models.gpt`` (``--config``, with 8 blocks). Both sides
-start from the same weights (torch's stages are ``experiments.native_gpt`` modules built from our parameters:
+start from the same weights (torch's stages are ``experiments.bench.native_gpt`` modules built from our parameters:
 ``nn.Embedding``, ``nn.Linear``, ``nn.RMSNorm``, SDPA, ``F.cross_entropy``) and run the same ``--m``
 microbatches of ``--microbatch`` rows. What a step is, on both sides: the forwards and backwards of every
 microbatch (gradients left on each rank's own stages), no optimizer. Per pair, one launch, sides alternated:
@@ -36,8 +36,8 @@ from torch.distributed import pipelining as tp
 import core
 import models.gpt as gpt
 import shardings
-from experiments import native_gpt
-from experiments.bench_pipeline import _CONFIGS, PP, _microbatches, _print
+from experiments.bench import native_gpt
+from experiments.bench.pipeline import _CONFIGS, PP, _microbatches, _print
 from shardings import pipeline
 from shardings.comm.peak_memory import storages
 from shardings.pipeline.execute import _Saved
@@ -163,7 +163,7 @@ def compare(name: str, cfg_kw: dict, m: int, rows: int, steps: int) -> dict:
           for side in ("ours", "torch")}
     first = {side: per_rank[0][side][0]["loss"] for side in ms}
     if abs(first["ours"] - first["torch"]) > 1e-5 * max(1.0, abs(first["torch"])):
-        raise RuntimeError(f"bench_pipeline_torch {name}: step-1 losses differ, ours {first['ours']}, torch "
+        raise RuntimeError(f"bench.pipeline_torch {name}: step-1 losses differ, ours {first['ours']}, torch "
                            f"{first['torch']}. Fix: both sides must run the same model, weights and microbatches.")
     row: dict[str, Any] = {"ours": name, "torch": PAIRS[name], "m": m}
     for side in ms:

@@ -1,11 +1,12 @@
 """Our layouts against torch's own wrappers, side by side (a benchmark, not a test).
 
 ``python -m experiments.bench [--quick] [--config gpt_small comm] [--pairs dp zero3 tp+sp zero3+tp+sp]
-[--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]``
+[--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]`` (the package's default benchmark; also
+``python -m experiments.bench.wrappers``)
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
 same ``models.gpt`` weights, global batch, fp32 (bf16 compute in ``zero3/bf16``) and AdamW(1e-3). The torch side is
-:class:`experiments.native_gpt.NativeGpt` — the model a PyTorch user writes (``nn.Embedding``,
+:class:`experiments.bench.native_gpt.NativeGpt` — the model a PyTorch user writes (``nn.Embedding``,
 ``nn.Linear``, ``nn.RMSNorm``, ``F.scaled_dot_product_attention``, ``F.cross_entropy``; no shardlab
 code) holding the same weights — wrapped the way a PyTorch user would:
 
@@ -73,8 +74,8 @@ from torch.nn.parallel import DistributedDataParallel
 import core
 import models.gpt as gpt
 import shardings
-from experiments import native_gpt
-from experiments.tables import write_csv
+from experiments.bench import native_gpt
+from experiments.bench.tables import write_csv
 from shardings.comm.peak_memory import PeakMemory, peak_memory
 from shardings.testing.tolerance import LOW_PRECISION_ULPS, tolerance
 

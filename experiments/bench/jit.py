@@ -1,6 +1,6 @@
 """A whole single-device train step: shardlab eager and ``core.jit`` against a torch-native anchor (a benchmark).
 
-``python -m experiments.bench_jit [--configs tiny gpt_small] [--device cpu|cuda] [--steps 20]
+``python -m experiments.bench.jit [--configs tiny gpt_small] [--device cpu|cuda] [--steps 20]
 [--warmup 3] [--rounds 1] [--peak-tflops 989] [--as-is] [--no-compile] [--threads N] [--csv bench_jit.csv]``
 
 Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after another in one process:
@@ -21,7 +21,7 @@ Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after
        trace: one graph break per call. With no mesh active its answer is ``None``, so it is marked
        constant while the step compiles (checked: no mesh may be active).
 ``native``
-    the anchor: :class:`experiments.native_gpt.NativeGpt` — ``nn.Linear``/``nn.RMSNorm`` modules,
+    the anchor: :class:`experiments.bench.native_gpt.NativeGpt` — ``nn.Linear``/``nn.RMSNorm`` modules,
     ``F.scaled_dot_product_attention``, ``F.cross_entropy``, no shardlab code — with
     ``torch.optim.AdamW(fused=True)`` at the same lr, betas, eps and weight decay; the loop a PyTorch
     user writes (forward, ``backward()``, ``opt.step()``, ``zero_grad``) (:func:`make_native_step`).
@@ -42,7 +42,7 @@ allocated before the row built its state), its multiples of the native rows' and
 (6·N + 12·layers·heads·head_dim·seq_len) · tokens/s / peak, with N the params outside the input
 embedding (a lookup, no FLOPs) and the attention term PaLM's (appendix B).
 
-Configs: ``tiny`` (seconds to compile), ``gpt_small`` (as experiments/bench.py), ``gpt_650m``
+Configs: ``tiny`` (seconds to compile), ``gpt_small`` (as experiments/bench/wrappers.py), ``gpt_650m``
 (for a GPU: ~0.65B params, seq 2048).
 """
 
@@ -64,8 +64,8 @@ import core
 import models.gpt as gpt
 import shardings
 from core import optim, tree
-from experiments import native_gpt
-from experiments.tables import write_csv
+from experiments.bench import native_gpt
+from experiments.bench.tables import write_csv
 from shardings.testing import diff
 
 
@@ -268,7 +268,7 @@ def run(
         d = diff(torch.tensor(r["loss"]), torch.tensor(eager["loss"]), terms=tokens)
         if not d.ok:
             raise RuntimeError(
-                f"bench_jit {config}: step-1 loss of {name} is {r['loss']}, eager's {eager['loss']} "
+                f"bench.jit {config}: step-1 loss of {name} is {r['loss']}, eager's {eager['loss']} "
                 f"({d.used:.1f}x the tolerance rule's allowance for {tokens} tokens). Fix: the row does not compute "
                 "gpt.loss (for a compiled row, bisect with backend='aot_eager'; for a native row, test_native_gpt)."
             )

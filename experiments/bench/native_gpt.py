@@ -1,11 +1,11 @@
 """``models.gpt`` written as a PyTorch user would write it, and its torchtitan-style tensor-parallel plan.
 
-The benchmarks' reference side (``experiments/bench.py``, ``experiments/bench_jit.py``): ``nn.Embedding``,
+The benchmarks' reference side (``experiments/bench/wrappers.py``, ``experiments/bench/jit.py``): ``nn.Embedding``,
 ``nn.Linear`` q/k/v/o and gate/up/down (no bias), ``nn.RMSNorm``, RoPE in the module (HF Llama's
 ``rotate_half``, ``cfg.rope_theta``), ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``
 and ``F.cross_entropy`` — none of shardlab's compute (``models.layers``) — built from a gpt parameter
 tree (:func:`from_params`) and mapped back to one (:func:`to_params`). Its ``forward(batch)``
-computes ``gpt.loss``'s value; tests/experiments/test_native_gpt.py checks loss and gradients by
+computes ``gpt.loss``'s value; tests/experiments/bench/test_native_gpt.py checks loss and gradients by
 ``shardings.testing``'s tolerance rule.
 
 Numerics against ``models.layers``: ``nn.RMSNorm`` (torch's ``rms_norm``) normalizes in float32 like
