@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import models.gpt as gpt
-from shardings.spec.errors import sharding_error
+from shardings import sharding_error
 
 __all__ = ["NativeGpt", "from_params", "parallelize", "to_params", "tp_plan"]
 

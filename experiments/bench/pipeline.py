@@ -38,8 +38,7 @@ from torch.utils import _pytree as pytree
 import core
 import models.gpt as gpt
 import shardings
-from shardings import pipeline
-from shardings.step.train_step import default_token_count
+from shardings import default_token_count, pipeline
 
 PP = 4
 _CONFIGS = {

@@ -39,8 +39,6 @@ import shardings
 from experiments.bench import native_gpt
 from experiments.bench.pipeline import _CONFIGS, PP, _microbatches, _print
 from shardings import pipeline
-from shardings.comm.peak_memory import storages
-from shardings.pipeline.execute import _Saved
 
 PAIRS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
          "zb_v": "ScheduleZBVZeroBubble"}
@@ -110,12 +108,11 @@ def _torch_side(name: str, cfg: gpt.Config, params: Any, mbs: list[dict]):
     schedule = kind(stages if len(stages) > 1 else stages[0], len(mbs), loss_fn=_loss)
     tokens = torch.cat([mb["tokens"] for mb in mbs])
     labels = torch.cat([mb["labels"] for mb in mbs])
-    params_ptrs = {st.data_ptr() for p in model.parameters() for st in storages(p)}
 
     def step() -> dict:
         model.zero_grad(set_to_none=True)
         busy.clear()
-        saved, losses = _Saved(1, params_ptrs), []
+        saved, losses = pipeline.SavedActivations(1, list(model.parameters())), []
         args = (tokens,) if 0 in mine else ()
         kw = {"target": labels, "losses": losses} if len(placement) - 1 in mine else {}
         with saved.hooks(0):

@@ -39,11 +39,11 @@ The bench checks both sides' step-1 losses agree: rtol 1e-4 in fp32, and under b
 Reported per side (the max over ranks): median step time after warm-up (each side launched ``--rounds``
 times, alternated: on a shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
 memory**: the most bytes live tensors held at once during one warm-up step, the parameters and
-optimizer state included (:func:`shardings.comm.peak_memory.peak_memory`, what
+optimizer state included (:func:`shardings.peak_memory`, what
 ``torch.cuda.max_memory_allocated`` reports on a GPU; CPU tensors have no allocator counter); the
 growth of the process's max RSS over the run (code, Python objects and what malloc keeps count there
 too: noisy); and comm bytes per rank per step,
-*measured* by ``shardings.comm.accounting.comms()`` around the first step: it sees DDP's bucket
+*measured* by ``shardings.comms()`` around the first step: it sees DDP's bucket
 all-reduces, FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the
 dispatcher as c10d ops). Both counters are dispatch modes, so neither sees inside an op DTensor
 dispatches: the torch side's ``loss_parallel`` all-reduces of a few floats per token (~0.1% of
@@ -76,8 +76,9 @@ import models.gpt as gpt
 import shardings
 from experiments.bench import native_gpt
 from experiments.bench.tables import write_csv
-from shardings.comm.peak_memory import PeakMemory, peak_memory
-from shardings.testing.tolerance import LOW_PRECISION_ULPS, tolerance
+from shardings import PeakMemory, peak_memory
+from shardings.testing import tolerance
+from shardings.testing.tolerance import LOW_PRECISION_ULPS
 
 
 class _Config(NamedTuple):

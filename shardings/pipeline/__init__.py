@@ -8,7 +8,7 @@ rank does in which order; :func:`run` executes it. ``docs/pipeline.md`` shows ho
 
 from shardings.pipeline.builders import SCHEDULES, build
 from shardings.pipeline.check import check
-from shardings.pipeline.execute import Result, Timed, run
+from shardings.pipeline.execute import Result, SavedActivations, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
 from shardings.pipeline.schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b, program
 from shardings.pipeline.stages import Split, Stages, split
@@ -20,6 +20,7 @@ __all__ = [
     "Action",
     "Message",
     "Result",
+    "SavedActivations",
     "Schedule",
     "ScheduleError",
     "Split",
