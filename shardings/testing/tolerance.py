@@ -28,9 +28,11 @@ ZeRO-1/2/3, tp, sp, cp, ep, pp, with accumulation and clipping, 3 AdamW steps) 0
 and 0.97 in fp16 on ``models.mlp`` (a model the suite does not use): the params after AdamW, whose m/√v turns
 a gradient's rounding near zero into a learning-rate-sized step. fp16 rounds 8× finer than bf16, but the
 fp32 parts of the step weigh more against its smaller eps; each dtype keeps a 2× margin over its worst.
-What it cannot see: an error below a few percent in bf16 (about 1.5% in fp16); the same layouts in fp32 (the
-rule above) catch a 1% error, and a wrong reduction (a rank's share missing, a sum taken twice) is ≥ 50% and
-fails in bf16 too.
+What it cannot see: an error below a few percent in bf16 (about 1.5% in fp16). So ``check_equivalence`` also
+runs each layout's fp32 twin (the policy with fp32 compute), judged by the fp32 rule, which catches a 1% error;
+every run's report states its detection limits (``shardings.testing.power``); and a wrong reduction (a rank's
+share missing, a sum taken twice) is ≥ 50% and fails in bf16 too. The params rows get one more bound there:
+``UPDATE_FRACTION`` below (``check_equivalence``).
 
 **Where the truth is zero: the floor.** A leaf of a tree whose reference is exactly (or nearly) zero — a
 key bias ``bk``, whose gradient softmax's shift invariance makes exactly 0, or attention over one key — is

@@ -81,7 +81,7 @@ def block(p, x, cfg):
 def head_loss(params, x, batch, cfg):
     x = constrain(layer_norm(x, params["ln_w"], params["ln_b"], cfg), BLOCK_INPUT)
     logits = einsum(x[:, 0], params["cls_w"], "b e, e c -> b c") + params["cls_b"]  # [CLS] pooling: (batch, classes)
-    return F.cross_entropy(logits, constrain(batch["labels"], ("batch",)))
+    return F.cross_entropy(logits.float(), constrain(batch["labels"], ("batch",)))  # in fp32 under any policy
 
 
 def stages(cfg):
