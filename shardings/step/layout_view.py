@@ -148,7 +148,8 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     Rows are logical names, columns presets; a cell lists, per group of roles (S storage, C compute,
     G grads, O optimizer state, B batch, A activations), the mesh axes the name goes to — ``a | b``
     when ``b`` is the fallback taken if another dim of the tensor already holds ``a``. Empty: the
-    preset leaves the name alone (replicated, unless another preset of the composition maps it).
+    preset leaves the name alone (replicated, unless another preset of the composition maps it); every
+    logical name the models use has a row, so one no preset maps (``head_dim``) shows as never split.
 
     >>> print(rules_table(("dp",)).splitlines()[2])
     | `batch` | BA→(dp,fsdp) |
@@ -161,7 +162,7 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
                                for n in getattr(_PRESETS[p].layout, role).names))
     from shardings.spec.layouts import LOGICAL_NAMES
 
-    names = [n for n in LOGICAL_NAMES if n in names] + [n for n in names if n not in LOGICAL_NAMES]
+    names = [*LOGICAL_NAMES, *(n for n in names if n not in LOGICAL_NAMES)]  # a name no preset maps: an empty row
     lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
     for name in names:
         cells = []
