@@ -22,11 +22,13 @@ from shardings.comm.collectives import (
     psum,
     psum_scatter,
 )
+from shardings.comm.peak_memory import PeakMemory, peak_memory
 from shardings.comm.shard_map import shard_map
 from shardings.ops import module_tp
 from shardings.ops.blockwise import blockwise
 from shardings.ops.local_einsum import einsum
 from shardings.ops.ring_attention import attention
+from shardings.ops.vocab_parallel import embedding, nll
 from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.launch import LaunchError, launch
 from shardings.runtime.simulate import per_rank, simulate, simulated, unwrap
@@ -49,6 +51,7 @@ __all__ = [
     "Mesh",
     "NamedSharding",
     "P",
+    "PeakMemory",
     "Rules",
     "ShardingError",
     "TrainStep",
@@ -66,6 +69,7 @@ __all__ = [
     "default_token_count",
     "describe_layout",
     "einsum",
+    "embedding",
     "from_callback",
     "gather",
     "init",
@@ -76,8 +80,10 @@ __all__ = [
     "maybe_disable_local_tensor_mode",
     "memory",
     "module_tp",
+    "nll",
     "param_specs",
     "partial_axes",
+    "peak_memory",
     "per_rank",
     "pipeline",
     "pmean",

@@ -140,6 +140,14 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/step/test_local_step.py::test_zero3_regathers_buckets_in_backward_prefetching_the_next",
             "tests/shardings/residency/test_zero3_regather.py::"
             "test_dtensor_path_zero3_regathers_buckets_in_backward_prefetching_the_next")),
+    Mutant("zero3-regathered-buckets-kept", "shardings/residency/gather_params.py",
+           "bucket.cached, bucket.pending, bucket.done = None, None, True",
+           "bucket.pending, bucket.done = None, True",
+           "backward keeps every re-gathered bucket until it ends (values unchanged, data parallelism's memory)",
+           ("tests/shardings/residency/test_zero3_peak_memory.py::"
+            "test_the_peak_grows_by_the_blocks_gradients_and_at_most_one_gathered_block[zero3-local]",
+            "tests/shardings/residency/test_zero3_peak_memory.py::"
+            "test_the_peak_grows_by_the_blocks_gradients_and_at_most_one_gathered_block[zero3+tp+sp-dtensor]")),
     # -- ring attention: the mask and the online-softmax merge ------------------------------------------
     Mutant("ring-diagonal-unmasked", "shardings/ops/ring_attention.py",
            "o, block_lse = kernels.block_forward(q[:, qi], k[:, ki], v[:, ki], masked, scale)",
@@ -183,6 +191,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "computes.append(Action(kind, r * v + chunk, mb))",
            "interleaved 1F1B gives rank r contiguous stages r*v.. instead of round-robin chunks r, r + pp, ...",
            ("tests/shardings/pipeline/test_interleaved.py::test_bubble_is_1f1bs_divided_by_v",)),
+    Mutant("split-head-on-the-second-stage", "shardings/pipeline/stages.py",
+           "edge = [rest / 2 if s in (0, stages - 1) else 0.0 for s in range(stages)]",
+           "edge = [rest / 2 if s in (0, 1) else 0.0 for s in range(stages)]",
+           "the block split charges the head to stage 1 instead of the last stage (results unchanged, stages "
+           "unbalanced)",
+           ("tests/shardings/pipeline/test_split_balance.py::test_the_most_expensive_stage_is_the_balanced_optimum",)),
     Mutant("pp-edge-grads-not-summed", "shardings/step/pipeline_path.py",
            "ownership.sum_shared(own, reduced)",
            "None",
@@ -209,6 +223,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "weights = top_p",
            "the chosen experts' weights are the raw router probabilities, not renormalized over the top k",
            (f"{T_MOE_HAND}test_top_k_routing_and_renormalized_weights_by_hand", T_MOE)),
+    Mutant("moe-aux-of-the-last-block-only", "models/moe.py",
+           "        return x, ({k: total[k] + v for k, v in aux.items()} if total else aux)",
+           "        return x, aux",
+           "the model's aux losses are the last MoE block's instead of the sum over its MoE blocks",
+           ("tests/models/test_moe_reference.py::"
+            "test_logits_loss_and_gradients_equal_mixtral_and_the_documented_aux_losses",)),
     # -- vocab-parallel cross-entropy -------------------------------------------------------------------
     Mutant("vocab-max-shift-summed", "shardings/ops/vocab_parallel.py",
            'shift = reduce(block.detach().amax(-1), "max")',

@@ -113,55 +113,47 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
         "shardings/runtime/compat.py": ["shardings.spec.mesh", "shardings.spec.mesh.Mesh"]}
 
 
-# Code outside shardings/ imports only its public facade: ``shardings`` and the public subpackages it re-exports.
-FACADE_MODULES = ("shardings", "shardings.pipeline", "shardings.testing", "shardings.checkpoint")
-OUTSIDE = ("experiments", "models")
-# Temporarily exempt (#28: the benchmark move fixes their imports; the lead widens this after merging).
-FACADE_EXEMPT = ("experiments/bench.py", "experiments/bench_jit.py", "experiments/bench_optim.py",
-                 "experiments/bench_pipeline.py", "experiments/bench_pipeline_torch.py", "experiments/bench_random.py",
-                 "experiments/native_gpt.py", "experiments/tables.py", "models/")
+# Code outside shardings/ uses its public surface only (DESIGN §1): a name in ``shardings.__all__``, or in the
+# ``__all__`` of a public subpackage it lists (``shardings.pipeline``, ``testing``, ``checkpoint``); never a module
+# inside it, never a private name.
+FACADE_USERS = ("models", "experiments")
 
 
-def _public(module: str) -> set[str]:
-    return set(getattr(__import__(module, fromlist=["_"]), "__all__", ()))
+def _public(name: str) -> bool:
+    """Whether the dotted ``shardings...`` name an import line reaches is part of the public surface."""
+    import shardings
+
+    parts = name.split(".")[1:]
+    if len(parts) <= 1:
+        return not parts or parts[0] in shardings.__all__
+    package = getattr(shardings, parts[0], None) if parts[0] in shardings.__all__ else None
+    return len(parts) == 2 and hasattr(package, "__path__") and parts[1] in getattr(package, "__all__", ())
 
 
-def facade_violations(root: Path = ROOT, packages: tuple[str, ...] = OUTSIDE,
-                      exempt: tuple[str, ...] = FACADE_EXEMPT) -> dict[str, list[str]]:
-    """Per file outside ``shardings/``, its shardings imports that are not a facade module or a public name of one."""
-    public = {m: _public(m) for m in FACADE_MODULES}
+def facade_violations(folders: tuple[str, ...], root: Path = ROOT) -> dict[str, list[str]]:
+    """Per file under ``folders``, the ``shardings`` names it imports that are not public."""
     bad = {}
-    for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
-            rel = str(path.relative_to(root))
-            if rel.startswith(exempt):
-                continue
-            hits = []
-            for m in imports(path, root):
-                if not (m == "shardings" or m.startswith("shardings.")) or m in FACADE_MODULES:
-                    continue
-                module, _, name = m.rpartition(".")
-                if module not in FACADE_MODULES or name not in public[module] | {"*"}:
-                    hits.append(m)
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            hits = sorted(m for m in imports(path, root) if m.split(".")[0] == "shardings" and not _public(m))
             if hits:
-                bad[rel] = sorted(hits)
+                bad[str(path.relative_to(root))] = hits
     return bad
 
 
-def test_code_outside_shardings_imports_only_the_facade():
-    assert facade_violations() == {}
+def test_code_outside_shardings_imports_only_its_facade():
+    assert facade_violations(FACADE_USERS) == {}
 
 
-def test_the_facade_check_sees_an_internal_import(tmp_path):
-    (tmp_path / "experiments").mkdir()
-    (tmp_path / "experiments" / "app.py").write_text(
-        "import shardings\nfrom shardings import Mesh, pipeline\nfrom shardings.pipeline import Plan\n"
-        "from shardings.spec import layouts\nfrom shardings.pipeline.schedule import timeline\n"
-        "from shardings import _private\n")
-    (tmp_path / "experiments" / "bench_x.py").write_text("from shardings.step import train_step\n")
-    assert facade_violations(tmp_path, ("experiments",), ("experiments/bench_",)) == {"experiments/app.py": [
-        "shardings._private", "shardings.pipeline.schedule", "shardings.pipeline.schedule.timeline",
-        "shardings.spec", "shardings.spec.layouts"]}
+def test_the_facade_check_sees_internal_and_private_imports(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "sneaky.py").write_text(
+        "import shardings\nfrom shardings import Mesh, pipeline\nfrom shardings.pipeline import Stages\n"
+        "from shardings.testing import assert_close\nfrom shardings.pipeline.execute import _Saved\n"
+        "def f():\n    from shardings.spec.errors import sharding_error\n    from shardings import _private\n")
+    assert facade_violations(("models",), tmp_path) == {"models/sneaky.py": [
+        "shardings._private", "shardings.pipeline.execute", "shardings.pipeline.execute._Saved",
+        "shardings.spec.errors", "shardings.spec.errors.sharding_error"]}
 
 
 def test_the_facade_re_exports_what_its_callers_need():
@@ -176,9 +168,6 @@ PRIVATE_TORCH_EXEMPT = {
     # core may not import shardings (the layer test above): its pytree layer wraps torch.utils._pytree itself,
     # and its fused optimizer calls torch's fused kernels
     "core/tree.py": "core is below shardings",
-    # #28's benchmark move owns these files; the lead widens this test after merging
-    "experiments/bench_jit.py": "benchmark (moved by #28's benchmark helper)",
-    "experiments/bench_pipeline.py": "benchmark (moved by #28's benchmark helper)",
 }
 
 

@@ -12,7 +12,7 @@ May import: ``spec``, ``runtime``, ``comm``, ``residency``, ``ops``.
 """
 
 from shardings.pipeline.check import check
-from shardings.pipeline.execute import Result, Timed, run
+from shardings.pipeline.execute import Result, SavedActivations, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
 from shardings.pipeline.plan import Plan, plan, plan_for
 from shardings.pipeline.schedule import (
@@ -40,6 +40,7 @@ __all__ = [
     "Message",
     "Plan",
     "Result",
+    "SavedActivations",
     "Schedule",
     "ScheduleError",
     "Split",

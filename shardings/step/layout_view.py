@@ -146,7 +146,8 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     Rows are logical names, columns presets; a cell lists, per group of roles (S storage, C compute,
     G grads, O optimizer state, B batch, A activations), the mesh axes the name goes to — ``a | b``
     when ``b`` is the fallback taken if another dim of the tensor already holds ``a``. Empty: the
-    preset leaves the name alone (replicated, unless another preset of the composition maps it).
+    preset leaves the name alone (replicated, unless another preset of the composition maps it); every
+    logical name the models use has a row, so one no preset maps (``head_dim``) shows as never split.
 
     >>> print(rules_table(("dp",)).splitlines()[2])
     | `batch` | BA→(dp,fsdp) |
@@ -155,7 +156,7 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     # presets without rules (offload_*: they move a role to host memory, not a name to an axis) have no column
     presets = presets or tuple(p for p, t in tables.items() if any(getattr(t, r).names for r in _ROLE_LETTERS))
     names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS for n in getattr(tables[p], role).names))
-    names = [n for n in layouts.LOGICAL_NAMES if n in names] + [n for n in names if n not in layouts.LOGICAL_NAMES]
+    names = [*layouts.LOGICAL_NAMES, *(n for n in names if n not in layouts.LOGICAL_NAMES)]  # a name no preset maps: an empty row
     lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
     for name in names:
         cells = []
