@@ -156,7 +156,8 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     # presets without rules (offload_*: they move a role to host memory, not a name to an axis) have no column
     presets = presets or tuple(p for p, t in tables.items() if any(getattr(t, r).names for r in _ROLE_LETTERS))
     names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS for n in getattr(tables[p], role).names))
-    names = [*layouts.LOGICAL_NAMES, *(n for n in names if n not in layouts.LOGICAL_NAMES)]  # a name no preset maps: an empty row
+    # every logical name has a row (one no preset maps: an empty row), then the presets' own names
+    names = [*layouts.LOGICAL_NAMES, *(n for n in names if n not in layouts.LOGICAL_NAMES)]
     lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
     for name in names:
         cells = []
