@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 import core
 import shardings
 from experiments.build import ConfigError, Setup, build, loss, optimizer, pretrained
-from experiments.config import register
+from experiments.config import app_overrides, own_model, register
 from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
 from shardings import checkpoint, maybe_disable_local_tensor_mode, unwrap
@@ -283,6 +283,7 @@ def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
 def main() -> None:
     """``python -m experiments.train [overrides]``: register the configs, then run the Hydra app (:func:`app`)."""
     register()
+    sys.argv[1:] = app_overrides(sys.argv[1:])  # any field of the model's Config, without a '+'
     app()
 
 
@@ -298,7 +299,7 @@ def app(cfg: DictConfig) -> float:
     out_dir, sweeping = hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN
     job = " ".join(hydra_cfg.overrides.task)
     try:
-        summary = run(cfg, out_dir)
+        summary = run(own_model(cfg, hydra_cfg.overrides.task), out_dir)
     except ConfigError as e:
         _write_status(out_dir, "skipped", str(e))
         if sweeping:
