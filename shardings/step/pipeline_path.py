@@ -46,6 +46,7 @@ from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Plan, Result, Stages, run
 from shardings.residency import gather_buckets
+from shardings.runtime.compat import implicit_replication
 from shardings.spec import lower
 from shardings.spec.context import use
 from shardings.spec.layouts import Layout
@@ -78,8 +79,9 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
         weights = [w * scale for w in weights]
     compute = tree.unflatten(plan.treedef, _gather_once(step, plan, params))
     carry = (step.loss_fn, _CarryPlacements(step.loss_fn, step.layout, step.mesh), step.mesh.device_mesh)
-    result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
-                 carry_layout=carry)
+    with implicit_replication():  # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
+        result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
+                     carry_layout=carry)
     step.last = result
     g, opt_pl = [step.cast.to_reduce(x) for x in tree.leaves(result.grads)], plan.placements["opt_state"]
     held = own.held(len(g))
