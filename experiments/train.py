@@ -201,7 +201,7 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         # The step at a glance, for experiments.report's layout_<i>.png: specs per role and a step's collectives.
         view = shardings.describe_layout(params, axes, setup.layout, setup.mesh,
-                                         comm=records[-1]["comm"] if records else None)
+                                         comm=records[-1]["comm"] if records else None, plan=setup.plan)
         Path(out_dir, "layout.json").write_text(json.dumps(view.to_dict(), indent=1) + "\n")
         if setup.plan is not None and step.last is not None:  # pp: the last step's schedule as planned and as it ran
             from experiments import gantt  # matplotlib: only for pipeline runs
