@@ -111,8 +111,11 @@ _SCHEDULE_ROW = re.compile(r"^\| `(\w+)`", re.M)
 
 def test_every_list_of_schedules_is_the_registry():
     """Every ``schedule="a"``/``"b"``/... list in README.md and docs/*.md, and docs/pipeline.md's table of schedules,
-    names exactly the registered schedules (``shardings.pipeline.SCHEDULES``), in its order."""
+    names exactly the schedules shardlab registers (``shardings.pipeline.SCHEDULES``, in its order; docs/pipeline.md's
+    own example registers one more when its blocks have run, which no list names)."""
     from shardings.pipeline import SCHEDULES
+
+    builtin = [name for name, build in SCHEDULES.items() if build.__module__.startswith("shardings.")]
 
     lists = {}
     for path in DOCS:
@@ -125,5 +128,5 @@ def test_every_list_of_schedules_is_the_registry():
     table = table[:table.index("\n\n")]
     lists["pipeline.md's table"] = _SCHEDULE_ROW.findall(table)
     assert len(lists) >= 3, f"the schedule lists moved: found {sorted(lists)}"
-    stale = {where: names for where, names in lists.items() if names != list(SCHEDULES)}
-    assert not stale, f"lists of schedules that are not the registry's {list(SCHEDULES)}: {stale}"
+    stale = {where: names for where, names in lists.items() if names != builtin}
+    assert not stale, f"lists of schedules that are not the registry's {builtin}: {stale}"
