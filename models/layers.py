@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shardings import attention as layout_attention
-from shardings import blockwise, constrain, einsum
-from shardings.ops.vocab_parallel import embedding, nll
+from shardings import blockwise, constrain, einsum, embedding, nll
 
 __all__ = [
     "arange_like",

@@ -57,9 +57,8 @@ import torch.nn.functional as F
 import core
 from models import gpt
 from models.layers import cross_entropy, einsum, next_token_batch, rms_norm
-from shardings import P, all_to_all, constrain, current, logical_to_spec, psum, shard_map
+from shardings import P, all_to_all, constrain, current, logical_to_spec, psum, shard_map, sharding_error
 from shardings.pipeline import Stages
-from shardings.spec.errors import sharding_error
 
 __all__ = ["Config", "apply", "apply_with_aux", "axes", "capacity", "example_batch", "init", "loss", "moe_mlp",
            "stages"]

@@ -20,23 +20,25 @@ from shardings.comm.collectives import (
     psum,
     psum_scatter,
 )
+from shardings.comm.peak_memory import PeakMemory, peak_memory
 from shardings.comm.shard_map import shard_map
 from shardings.ops import module_tp
 from shardings.ops.blockwise import blockwise
 from shardings.ops.local_einsum import einsum
 from shardings.ops.ring_attention import attention
+from shardings.ops.vocab_parallel import embedding, nll
 from shardings.runtime.launch import LaunchError, launch
 from shardings.runtime.simulate import per_rank, simulate, unwrap
 from shardings.spec import layouts
 from shardings.spec.context import constrain, current, use
 from shardings.spec.distribute import gather, partial_axes, reshard, shard, spec_of
-from shardings.spec.errors import ShardingError
+from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.mesh import Mesh, NamedSharding, P
 from shardings.spec.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.spec.visualize import visualize
 from shardings.step.initialize import init
 from shardings.step.layout_view import describe as describe_layout
-from shardings.step.train_step import TrainStep, train_step
+from shardings.step.train_step import TrainStep, default_token_count, train_step
 
 __all__ = [
     "Comms",
@@ -44,6 +46,7 @@ __all__ = [
     "Mesh",
     "NamedSharding",
     "P",
+    "PeakMemory",
     "Rules",
     "ShardingError",
     "TrainStep",
@@ -58,8 +61,10 @@ __all__ = [
     "comms",
     "constrain",
     "current",
+    "default_token_count",
     "describe_layout",
     "einsum",
+    "embedding",
     "gather",
     "init",
     "launch",
@@ -68,7 +73,9 @@ __all__ = [
     "logical_to_specs",
     "memory",
     "module_tp",
+    "nll",
     "partial_axes",
+    "peak_memory",
     "per_rank",
     "pipeline",
     "pmean",
@@ -78,6 +85,7 @@ __all__ = [
     "reshard",
     "shard",
     "shard_map",
+    "sharding_error",
     "simulate",
     "spec_of",
     "testing",

@@ -97,3 +97,49 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
     (tmp_path / "shardings" / "step" / "ok.py").write_text("from shardings.spec.mesh import Mesh\n")
     assert layer_violations(tmp_path) == {"shardings/spec/bad.py": ["shardings", "shardings.Mesh", "shardings.step",
                                                                    "shardings.step.train_step"]}
+
+
+# Code outside shardings/ uses its public surface only (DESIGN §1): a name in ``shardings.__all__``, or in the
+# ``__all__`` of a public subpackage it lists (``shardings.pipeline``, ``testing``, ``checkpoint``); never a module
+# inside it, never a private name. The experiment apps join FACADE_USERS once they import the facade only (#28).
+FACADE_USERS = ("models", "experiments/bench")
+# Imports that wait for a facade name: LOW_PRECISION_ULPS joins shardings.testing's __all__ (then drop this entry
+# and import it from shardings.testing). Compared exactly, so a stale entry fails too.
+NOT_YET_PUBLIC = {"experiments/bench/wrappers.py": ["shardings.testing.tolerance.LOW_PRECISION_ULPS"]}
+
+
+def _public(name: str) -> bool:
+    """Whether the dotted ``shardings...`` name an import line reaches is part of the public surface."""
+    import shardings
+
+    parts = name.split(".")[1:]
+    if len(parts) <= 1:
+        return not parts or parts[0] in shardings.__all__
+    package = getattr(shardings, parts[0], None) if parts[0] in shardings.__all__ else None
+    return len(parts) == 2 and hasattr(package, "__path__") and parts[1] in getattr(package, "__all__", ())
+
+
+def facade_violations(folders: tuple[str, ...], root: Path = ROOT) -> dict[str, list[str]]:
+    """Per file under ``folders``, the ``shardings`` names it imports that are not public."""
+    bad = {}
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            hits = sorted(m for m in imports(path, root) if m.split(".")[0] == "shardings" and not _public(m))
+            if hits:
+                bad[str(path.relative_to(root))] = hits
+    return bad
+
+
+def test_code_outside_shardings_imports_only_its_facade():
+    assert facade_violations(FACADE_USERS) == NOT_YET_PUBLIC
+
+
+def test_the_facade_check_sees_internal_and_private_imports(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "sneaky.py").write_text(
+        "import shardings\nfrom shardings import Mesh, pipeline\nfrom shardings.pipeline import Stages\n"
+        "from shardings.testing import assert_close\nfrom shardings.pipeline.execute import _Saved\n"
+        "def f():\n    from shardings.spec.errors import sharding_error\n    from shardings import _private\n")
+    assert facade_violations(("models",), tmp_path) == {"models/sneaky.py": [
+        "shardings._private", "shardings.pipeline.execute", "shardings.pipeline.execute._Saved",
+        "shardings.spec.errors", "shardings.spec.errors.sharding_error"]}

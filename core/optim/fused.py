@@ -4,7 +4,7 @@
 the params per step. A train step that owns its inputs (``train_step(donate=True)``, like JAX's
 ``donate_argnums``) can instead hand the params and moments to ``torch._fused_adamw_``, which
 reads each element once and updates params, ``mu`` and ``nu`` in place (CPU and CUDA kernels; on
-gpt_small, ``python -m experiments.bench_optim``: 5.2 ms against 32.5 ms for the pure form and
+gpt_small, ``python -m experiments.bench.optim``: 5.2 ms against 32.5 ms for the pure form and
 17.4 ms for torch's foreach AdamW). The result equals ``update`` + ``apply_updates`` to float
 rounding: the kernel decays ``p *= 1 - lr * wd`` before adding the Adam step, where the pure form
 adds ``wd * p`` to the step.

@@ -7,7 +7,7 @@ rank does in which order; :func:`run` executes it. ``docs/pipeline.md`` shows ho
 """
 
 from shardings.pipeline.check import check
-from shardings.pipeline.execute import Result, Timed, run
+from shardings.pipeline.execute import Result, SavedActivations, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
 from shardings.pipeline.schedule import (
     DEFAULT_SCHEDULE,
@@ -31,6 +31,7 @@ __all__ = [
     "Action",
     "Message",
     "Result",
+    "SavedActivations",
     "Schedule",
     "ScheduleError",
     "Split",

@@ -43,7 +43,7 @@ from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
 from shardings.pipeline.wire import Message, Wire, cached_templates
 
-__all__ = ["Message", "Result", "Timed", "run"]
+__all__ = ["Message", "Result", "SavedActivations", "Timed", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +75,25 @@ class Result:
         return [1 - b / (t1 - t0) for b in busy]
 
 
-class _Saved:
-    """Bytes of tensors saved for backward per rank, parameters' storage excluded, each storage once."""
+class SavedActivations:
+    """Bytes of tensors saved for backward per rank (``live`` now, ``peak`` the most at once), each storage once.
 
-    def __init__(self, ranks: int, param_ptrs: set[int]):
+    The storage of ``params`` (a pytree of tensors) is not counted: only activations. Count a rank's backward
+    graph by building it under ``hooks(rank)``; what :attr:`Result.saved_peak` reports, usable around any
+    autograd code (``experiments.bench.pipeline_torch`` counts torch's pipeline schedules with it).
+
+    >>> w = torch.ones(4, 4, requires_grad=True)
+    >>> saved = SavedActivations(1, [w])
+    >>> with saved.hooks(0):
+    ...     loss = (torch.ones(2, 4) @ w).sin().sum()  # saves the (2, 4) input of @ and of sin, not w
+    >>> saved.peak[0]
+    64
+    """
+
+    def __init__(self, ranks: int, params: Any = ()):
         self.live, self.peak = [0] * ranks, [0] * ranks
         self.refs: list[dict[int, int]] = [{} for _ in range(ranks)]
-        self.param_ptrs = param_ptrs
+        self.param_ptrs = {st.data_ptr() for x in _tensors(params) for st in storages(x)}
 
     def hooks(self, rank: int) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> Any:
@@ -108,7 +120,7 @@ class _Saved:
 
 
 class _Held:
-    def __init__(self, saved: _Saved, rank: int, st: torch.UntypedStorage, t: torch.Tensor):
+    def __init__(self, saved: SavedActivations, rank: int, st: torch.UntypedStorage, t: torch.Tensor):
         self.saved, self.rank, self.ptr, self.nbytes, self.t = saved, rank, st.data_ptr(), st.nbytes(), t
         saved.add(rank, self.ptr, self.nbytes)
 
@@ -144,8 +156,7 @@ class _Runner:
         self.summed = [0] * schedule.stages  # per stage: microbatches added to self.grads
         self.deferred: dict[tuple[int, int], Any] = {}  # (stage, mb) -> what W needs (split backward)
         self.leaves = self._stage_leaves()
-        ptrs = {st.data_ptr() for x in _tensors(self.params) for st in storages(x)}
-        self.saved = _Saved(schedule.pp, ptrs)
+        self.saved = SavedActivations(schedule.pp, self.params)
         self.inputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> received carry
         self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (stage, mb) -> (input carry, output)
         self.out_grads: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient received for the output

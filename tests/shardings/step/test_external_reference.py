@@ -22,7 +22,7 @@ NATIVE_STEPS = 3
 
 def _native_tree(model, cfg, grads):
     """``model``'s full weights (or grads) as a gpt tree: FSDP2's DTensor shards gathered, DDP's tensors as they are."""
-    from experiments import native_gpt
+    from experiments.bench import native_gpt
 
     plain = native_gpt.NativeGpt(cfg)
     with torch.no_grad():
@@ -43,7 +43,7 @@ def _torch_and_ours_on_ranks(steps):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from experiments import native_gpt
+    from experiments.bench import native_gpt
 
     torch.set_num_threads(1)
     cfg = gpt.Config(**NATIVE)

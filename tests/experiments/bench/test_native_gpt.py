@@ -1,4 +1,4 @@
-"""experiments.native_gpt: the torch-native model computes gpt.loss and its gradients, and round-trips the tree."""
+"""experiments.bench.native_gpt: the torch-native model computes gpt.loss and its gradients, round-trips the tree."""
 
 import dataclasses
 import inspect
@@ -13,7 +13,7 @@ from torch import nn
 import core
 import models.gpt as gpt
 from core import tree
-from experiments import native_gpt
+from experiments.bench import native_gpt
 from models import layers
 from shardings.testing import assert_close
 

@@ -1,6 +1,6 @@
-"""experiments.bench_optim: every variant runs and is timed against torch's foreach AdamW (a smoke test)."""
+"""experiments.bench.optim: every variant runs and is timed against torch's foreach AdamW (a smoke test)."""
 
-from experiments import bench_optim
+from experiments.bench import optim as bench_optim
 
 
 def test_every_variant_gets_a_row_with_its_ratio():

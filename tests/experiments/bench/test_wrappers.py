@@ -1,4 +1,4 @@
-"""experiments.bench --quick: each side on 4 gloo ranks computes the same loss; comm bytes are measured."""
+"""experiments.bench.wrappers --quick: each side on 4 gloo ranks computes the same loss; comm bytes are measured."""
 
 import csv
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import models.gpt as gpt
-from experiments import bench
+from experiments.bench import wrappers as bench
 from shardings.testing import assert_close
 
 CFG = gpt.Config(**bench._CONFIGS["quick"].model)

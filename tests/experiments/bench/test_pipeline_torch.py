@@ -1,11 +1,11 @@
-"""experiments.bench_pipeline_torch at tiny sizes: every pair runs on 4 gloo processes, both sides' step-1 losses
+"""experiments.bench.pipeline_torch at tiny sizes: every pair runs on 4 gloo processes, both sides' step-1 losses
 agree (the bench raises otherwise), and each row carries times, saved-activation peaks and bubbles (no
 wall-clock assertions)."""
 
 import pytest
 import torch
 
-from experiments import bench_pipeline_torch
+from experiments.bench import pipeline_torch as bench_pipeline_torch
 
 
 @pytest.mark.skipif(torch.__version__ < (2, 13), reason="zero-bubble W on real processes needs torch >= 2.13 "

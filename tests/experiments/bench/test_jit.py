@@ -1,4 +1,4 @@
-"""experiments.bench_jit: the jitted step is one graph and follows eager; the native rows run on the same loss."""
+"""experiments.bench.jit: the jitted step is one graph and follows eager; the native rows run on the same loss."""
 
 import shutil
 
@@ -10,7 +10,7 @@ import core
 import models.gpt as gpt
 import shardings
 from core import optim
-from experiments import bench_jit
+from experiments.bench import jit as bench_jit
 from shardings.testing import assert_close
 
 CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, mlp=64, seq_len=16)

@@ -1,10 +1,10 @@
-"""experiments.bench_pipeline on the tiny config: exact activation bytes, bubble and step-time rows (no timings)."""
+"""experiments.bench.pipeline on the tiny config: exact activation bytes, bubble and step-time rows (no timings)."""
 
 import pytest
 
 import core
 import models.gpt as gpt
-from experiments import bench_pipeline
+from experiments.bench import pipeline as bench_pipeline
 from shardings import pipeline
 
 TINY = ["--config", "tiny", "--steps", "1"]

@@ -1,11 +1,12 @@
 """Our layouts against torch's own wrappers, side by side (a benchmark, not a test).
 
 ``python -m experiments.bench [--quick] [--config gpt_small comm] [--pairs dp zero3 tp+sp zero3+tp+sp]
-[--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]``
+[--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]`` (the package's default benchmark; also
+``python -m experiments.bench.wrappers``)
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
 same ``models.gpt`` weights, global batch, fp32 (bf16 compute in ``zero3/bf16``) and AdamW(1e-3). The torch side is
-:class:`experiments.native_gpt.NativeGpt` — the model a PyTorch user writes (``nn.Embedding``,
+:class:`experiments.bench.native_gpt.NativeGpt` — the model a PyTorch user writes (``nn.Embedding``,
 ``nn.Linear``, ``nn.RMSNorm``, ``F.scaled_dot_product_attention``, ``F.cross_entropy``; no shardlab
 code) holding the same weights — wrapped the way a PyTorch user would:
 
@@ -38,11 +39,11 @@ The bench checks both sides' step-1 losses agree: rtol 1e-4 in fp32, and under b
 Reported per side (the max over ranks): median step time after warm-up (each side launched ``--rounds``
 times, alternated: on a shared machine the speed drifts by more than some of the gaps measured), ours/native; **peak
 memory**: the most bytes live tensors held at once during one warm-up step, the parameters and
-optimizer state included (:func:`shardings.comm.peak_memory.peak_memory`, what
+optimizer state included (:func:`shardings.peak_memory`, what
 ``torch.cuda.max_memory_allocated`` reports on a GPU; CPU tensors have no allocator counter); the
 growth of the process's max RSS over the run (code, Python objects and what malloc keeps count there
 too: noisy); and comm bytes per rank per step,
-*measured* by ``shardings.comm.accounting.comms()`` around the first step: it sees DDP's bucket
+*measured* by ``shardings.comms()`` around the first step: it sees DDP's bucket
 all-reduces, FSDP2's all-gathers/reduce-scatters and the TP plan's redistributions (all reach the
 dispatcher as c10d ops). Both counters are dispatch modes, so neither sees inside an op DTensor
 dispatches: the torch side's ``loss_parallel`` all-reduces of a few floats per token (~0.1% of
@@ -73,10 +74,11 @@ from torch.nn.parallel import DistributedDataParallel
 import core
 import models.gpt as gpt
 import shardings
-from experiments import native_gpt
-from experiments.tables import write_csv
-from shardings.comm.peak_memory import PeakMemory, peak_memory
-from shardings.testing.tolerance import LOW_PRECISION_ULPS, tolerance
+from experiments.bench import native_gpt
+from experiments.bench.tables import write_csv
+from shardings import PeakMemory, peak_memory
+from shardings.testing import tolerance
+from shardings.testing.tolerance import LOW_PRECISION_ULPS
 
 
 class _Config(NamedTuple):
