@@ -28,7 +28,7 @@ from shardings.spec.rules import logical_to_spec
 from shardings.step.initialize import param_specs
 from shardings.step.pipeline_step import PIPELINE_PRESETS, has_pp
 
-__all__ = ["ConfigError", "Setup", "build", "loss", "optimizer", "pretrained"]
+__all__ = ["ConfigError", "Setup", "build", "loss", "model", "optimizer", "pretrained"]
 
 _ROLES = ("params", "compute", "grads", "opt_state")
 _RUNTIMES = ("simulate", "multiprocess", "torchrun")
@@ -58,6 +58,11 @@ def loss(setup: Setup) -> Callable[[Any, Any], Any]:
     if setup.schedule is not None:
         return setup.model.stages(setup.model_cfg)
     return functools.partial(setup.model.loss, cfg=setup.model_cfg)
+
+
+def model(conf: Any) -> tuple[ModuleType, Any]:
+    """The model module and its ``Config`` a ``model`` config node names (``ConfigError`` if it cannot)."""
+    return _model(conf)
 
 
 def _model(conf: Any) -> tuple[ModuleType, Any]:

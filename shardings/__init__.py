@@ -3,12 +3,12 @@
 The public surface is this module (``shardings.P``, ``shardings.train_step``, ...). The code lives in
 subpackages by concern, and imports between them go one way — each may import only those before it::
 
-    spec → runtime → comm → residency → ops → pipeline → step → checkpoint → testing
+    spec → runtime → comm → residency → ops → pipeline → step → checkpoint → testing → planner
 
 (``tests/test_architecture.py`` checks it on the source; docs/internals.md walks through them).
 """
 
-from shardings import checkpoint, pipeline, testing
+from shardings import checkpoint, pipeline, planner, testing
 from shardings.comm.accounting import Comms, comms, memory
 from shardings.comm.collectives import (
     all_gather,
@@ -27,6 +27,7 @@ from shardings.ops.blockwise import blockwise
 from shardings.ops.local_einsum import einsum
 from shardings.ops.ring_attention import attention
 from shardings.ops.vocab_parallel import embedding, nll
+from shardings.planner import plan
 from shardings.runtime.launch import LaunchError, launch
 from shardings.runtime.simulate import per_rank, simulate, unwrap
 from shardings.spec import layouts
@@ -78,6 +79,8 @@ __all__ = [
     "peak_memory",
     "per_rank",
     "pipeline",
+    "plan",
+    "planner",
     "pmean",
     "ppermute",
     "psum",

@@ -54,7 +54,7 @@ def test_the_checker_sees_imports(tmp_path, monkeypatch):
 
 
 # shardings/: subpackages by concern, imports one way (shardings/__init__.py's docstring)
-LAYERS = ["spec", "runtime", "comm", "residency", "ops", "pipeline", "step", "checkpoint", "testing"]
+LAYERS = ["spec", "runtime", "comm", "residency", "ops", "pipeline", "step", "checkpoint", "testing", "planner"]
 
 
 def layer_violations(root: Path = ROOT) -> dict[str, list[str]]:

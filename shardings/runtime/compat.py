@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without data: the planner's steps (torch >= 2.11)
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardings.spec.errors import sharding_error
 
@@ -29,12 +31,14 @@ __all__ = [
     "SIMULATION_MODULES",
     "SIMULATION_TORCH",
     "FakeStore",
+    "FakeTensorMode",
     "LocalIntNode",
     "LocalTensor",
     "LocalTensorMode",
     "SimulationUnavailable",
     "all_gather_single",
     "c10d_functional_op",
+    "compute_local_shape_and_global_offset",
     "enabled_local_tensor_mode",
     "grad_from_edges",
     "maybe_disable_local_tensor_mode",

@@ -198,10 +198,9 @@ class PipelineStep(TrainStep):
             gathered = [self.cast.to_compute(resolve(x)) for x in gathered]  # cast before a bucket's gather
             gathers.close()
         dtype = lambda x: self.cast.compute if self.cast.compute and x.is_floating_point() else x.dtype
-        out = [placeholder(x.shape, dtype(x), self.mesh, pl[i]) for i, x in enumerate(leaves)]
-        for i, x in zip(own, gathered):
-            out[i] = x
-        return out
+        mine = dict(zip(own, gathered))  # another stage's block: a placeholder (none on simulated ranks)
+        return [mine[i] if i in mine else placeholder(x.shape, dtype(x), self.mesh, pl[i])
+                for i, x in enumerate(leaves)]
 
     def _update(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         """:meth:`TrainStep._update`; on real ranks the clip's global norm adds up every stage's part, and only

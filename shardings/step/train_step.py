@@ -78,7 +78,7 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
                  precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True,
-                 count_comms=True, donate=False):
+                 count_comms=True, donate=False, scalar_metrics=True):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.loss_fn, self.mesh, self.axes = loss_fn, mesh, axes
@@ -87,6 +87,7 @@ class TrainStep:
         self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
         self.cast, self.scaler = mixed.Cast.of(precision), precision.scaler if precision is not None else None
         self.bucket_mb, self.local, self.count_comms, self.donate = bucket_mb, local, count_comms, donate
+        self.scalar_metrics = scalar_metrics
         self._clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
         self._inner = optimizer
         self.optimizer = core.optim.chain(self._clip, optimizer) if self._clip else optimizer
@@ -246,10 +247,11 @@ class TrainStep:
             new_params, new_state = self.apply(params, opt_state, grads)
             if "params" in self.layout.host:
                 new_params = offload.to_host(new_params)
+        scalars = self.scalar_metrics
         metrics = {
-            "loss": _scalar(loss),
-            "grad_norm": _scalar(self._grad_norm(grads)),
-            "tokens": int(_scalar(tokens)),
+            "loss": _scalar(loss) if scalars else None,
+            "grad_norm": _scalar(self._grad_norm(grads)) if scalars else None,
+            "tokens": int(_scalar(tokens)) if scalars else None,
             "comm": c.rows() if c else None,
             "comm_bytes": c.total_bytes() if c else None,
             "memory": {
@@ -329,7 +331,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
                token_count: Callable[[Any], torch.Tensor] = default_token_count,
                bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
-               count_comms: bool = True, donate: bool = False, microbatches: int | None = None,
+               count_comms: bool = True, donate: bool = False, scalar_metrics: bool = True,
+               microbatches: int | None = None,
                schedule: Any = "1f1b", stage_sizes: list[int] | None = None,
                virtual_stages: int | None = None) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
@@ -355,6 +358,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         count_comms: count the step's collectives into ``metrics["comm"]``/``["comm_bytes"]``
             (``shardings.comms()``, a dispatch mode that sees every op: it costs time; ``False``
             for timing runs, and those metrics are ``None``).
+        scalar_metrics: ``False`` leaves ``metrics["loss"]``, ``["grad_norm"]`` and ``["tokens"]`` ``None``: no
+            host sync and no norm, for a step on fake tensors (the planner, ``shardings.planner``).
         donate: the step may write the new params and optimizer state into the buffers of the ones
             passed in (JAX's ``donate_argnums``): do not use those afterwards. With ``local`` and an
             optimizer that has a ``fused_step`` (``adamw``), the update then runs in torch's fused
@@ -380,7 +385,7 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     from shardings.step.pipeline_step import PipelineStep, has_pp
 
     kw = dict(axes=axes, clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
-              count_comms=count_comms, donate=donate)
+              count_comms=count_comms, donate=donate, scalar_metrics=scalar_metrics)
     if has_pp(layout):
         m = microbatches or (accum_steps if accum_steps > 1 else mesh.axis_size("pp"))
         return PipelineStep(loss_fn, optimizer, layout=layout, mesh=mesh, microbatches=m, schedule=schedule,
