@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import random
 import statistics
 import time
@@ -49,9 +50,10 @@ def candidates() -> list[Candidate]:
     return [Candidate(layout, tuple(mesh.items()), m, schedule) for layout, mesh, m, schedule in CANDIDATES]
 
 
-def _step_times(cand: Candidate, cfg_kw: dict, rows: int, steps: int, warmup: int) -> list[float]:
-    """On each rank: ``steps`` timed steps of ``cand`` after ``warmup`` (what ``experiments.train`` runs: donated,
-    no comm counting), each from a barrier to its end."""
+def _step_times(cand: Candidate, cfg_kw: dict, rows: int, steps: int, warmup: int) -> list[tuple[float, float]]:
+    """On each rank: ``(wall, cpu)`` seconds of ``steps`` steps of ``cand`` after ``warmup`` (what
+    ``experiments.train`` runs: donated, no comm counting), each from a barrier to the next: the wall clock, and this
+    process's CPU time (all its threads)."""
     cfg = models.gpt.Config(**cfg_kw)
     mesh = shardings.Mesh(cand.sizes)
     layout = shardings.layouts.get(cand.layout)
@@ -67,18 +69,26 @@ def _step_times(cand: Candidate, cfg_kw: dict, rows: int, steps: int, warmup: in
     times = []
     for _ in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         state[0], state[1], _ = step(state[0], state[1], batch)
         dist.barrier()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
     return times[warmup:]
 
 
-def measure_step(cand: Candidate, cfg_kw: dict, rows: int, steps: int = 5, warmup: int = 2) -> float:
-    """The median step time of ``cand`` on real gloo processes (the slowest rank's per step)."""
-    per_rank = shardings.launch(_step_times, cand.size("dp") * cand.size("fsdp") * cand.size("tp") *
-                                cand.size("pp") * cand.size("cp") * cand.size("ep"), cand, cfg_kw, rows, steps, warmup)
-    return statistics.median(max(ts) for ts in zip(*per_rank))
+def measure_step(cand: Candidate, cfg_kw: dict, rows: int, steps: int = 5, warmup: int = 2,
+                 cores: float | None = None) -> float | tuple[float, float]:
+    """The median step time of ``cand`` on real gloo processes: the wall clock (the slowest rank's per step); with
+    ``cores``, also the ranks' CPU time summed and shared over that many cores (what the step would take on a
+    machine running nothing else: other processes' load does not count)."""
+    world = 1
+    for n in cand.sizes.values():
+        world *= n
+    per_rank = shardings.launch(_step_times, world, cand, cfg_kw, rows, steps, warmup)
+    wall = statistics.median(max(w for w, _ in step) for step in zip(*per_rank))
+    if cores is None:
+        return wall
+    return wall, statistics.median(sum(c for _, c in step) / cores for step in zip(*per_rank))
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -96,32 +106,40 @@ def validate(cluster: Cluster, rows: int = 16, rounds: int = 3, steps: int = 5, 
     ranking = plan(models.gpt, cfg, (rows, cfg.seq_len), cluster, candidates=cands, top_k=len(cands),
                    budget_s=1e9)
     predicted = {c: ranking.row(c).timing.total for c in cands}
-    measured: dict[Candidate, list[float]] = {c: [] for c in cands}
+    measured: dict[Candidate, list[tuple[float, float]]] = {c: [] for c in cands}
     order = list(cands)
     rng = random.Random(seed)
+    loads = []
     for _ in range(rounds):
         rng.shuffle(order)
         for c in order:
-            measured[c].append(measure_step(c, dataclasses.asdict(cfg), rows, steps))
-    median = {c: statistics.median(v) for c, v in measured.items()}
-    tau = kendall_tau([predicted[c] for c in cands], [median[c] for c in cands])
+            loads.append(os.getloadavg()[0])
+            measured[c].append(measure_step(c, dataclasses.asdict(cfg), rows, steps, cores=cluster.cores or 1))
+    wall = {c: statistics.median(w for w, _ in v) for c, v in measured.items()}
+    cpu = {c: statistics.median(u for _, u in v) for c, v in measured.items()}
     first = min(cands, key=lambda c: predicted[c])
-    fastest = min(cands, key=lambda c: median[c])
-    return {"rows": [{"candidate": str(c), "predicted_s": predicted[c], "measured_s": median[c],
-                      "spread": (min(measured[c]), max(measured[c]))} for c in cands],
-            "tau": tau, "first": str(first), "fastest": str(fastest),
-            "first_vs_fastest": median[first] / median[fastest]}
+    return {"rows": [{"candidate": str(c), "predicted_s": predicted[c], "measured_s": wall[c],
+                      "spread": (min(w for w, _ in measured[c]), max(w for w, _ in measured[c])), "cpu_s": cpu[c]}
+                     for c in cands],
+            "tau": kendall_tau([predicted[c] for c in cands], [wall[c] for c in cands]),
+            "tau_cpu": kendall_tau([predicted[c] for c in cands], [cpu[c] for c in cands]),
+            "first": str(first), "fastest": str(min(cands, key=lambda c: wall[c])),
+            "first_vs_fastest": wall[first] / min(wall.values()),
+            "first_vs_fastest_cpu": cpu[first] / min(cpu.values()),
+            "load": (min(loads), max(loads))}
 
 
 def report(result: dict[str, Any]) -> str:
-    """The validation as text."""
-    lines = [f"{'candidate':<40}{'predicted':>11}{'measured':>11}{'min..max':>20}"]
+    """The validation as text (milliseconds per step)."""
+    lines = [f"{'candidate':<36}{'predicted':>10}{'measured':>10}{'min..max':>16}{'cpu/cores':>10}"]
     for r in sorted(result["rows"], key=lambda r: r["measured_s"]):
         lo, hi = r["spread"]
-        lines.append(f"{r['candidate']:<40}{r['predicted_s'] * 1e3:>9.1f}ms{r['measured_s'] * 1e3:>9.1f}ms"
-                     f"{lo * 1e3:>9.1f}..{hi * 1e3:.1f}ms")
-    lines.append(f"Kendall tau {result['tau']:.2f}; first choice {result['first']} measured "
-                 f"{result['first_vs_fastest']:.2f}x the fastest ({result['fastest']})")
+        lines.append(f"{r['candidate']:<36}{r['predicted_s'] * 1e3:>10.0f}{r['measured_s'] * 1e3:>10.0f}"
+                     f"{f'{lo * 1e3:.0f}..{hi * 1e3:.0f}':>16}{r['cpu_s'] * 1e3:>10.0f}")
+    lo, hi = result["load"]
+    lines.append(f"Kendall tau {result['tau']:.2f} (wall clock), {result['tau_cpu']:.2f} (CPU time over the cores); "
+                 f"first choice {result['first']}: {result['first_vs_fastest']:.2f}x the fastest measured "
+                 f"({result['fastest']}), {result['first_vs_fastest_cpu']:.2f}x by CPU time; load {lo:.1f}-{hi:.1f}")
     return "\n".join(lines)
 
 

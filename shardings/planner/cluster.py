@@ -49,6 +49,8 @@ class Cluster:
             (small matmuls run far below peak): the rate of a matmul is interpolated on them (log-log) and capped at
             ``flops · efficiency``; ``None``: every matmul at ``flops · efficiency``.
         mem_bandwidth: bytes/s of device memory one rank reads and writes (elementwise ops, the optimizer).
+        bandwidth_curve: ``[bytes one op moves, bytes/s]`` points measured at several sizes (a small op's tensors stay
+            in cache), interpolated (log-log) and at least ``mem_bandwidth``; ``None``: every op at ``mem_bandwidth``.
         op_overhead: seconds to dispatch one op on plain tensors (eager PyTorch).
         dtensor_overhead: seconds to dispatch one op on DTensors (sharding propagation), on top.
         async_dispatch: ops are queued to a device that runs them while the host dispatches the next (GPUs): an
@@ -78,6 +80,7 @@ class Cluster:
     cores: float | None = None
     overlap: float = 1.0
     matmul_curve: Mapping[str, Sequence[Sequence[float]]] | None = None
+    bandwidth_curve: Sequence[Sequence[float]] | None = None
 
     @property
     def world(self) -> int:
@@ -88,16 +91,14 @@ class Cluster:
         """Achieved FLOP/s of matmuls in ``dtype`` (a name like ``"bfloat16"``; unknown: float32's) of ``per_op``
         FLOPs each (``matmul_curve``; ``None``: large ones)."""
         peak = self.flops.get(dtype, self.flops["float32"]) * self.efficiency
-        curve = sorted((self.matmul_curve or {}).get(dtype, ()))
-        if per_op is None or not curve:
-            return peak
-        if per_op <= curve[0][0]:
-            return min(peak, curve[0][1])
-        for (x0, y0), (x1, y1) in itertools.pairwise(curve):
-            if per_op <= x1:
-                t = math.log(per_op / x0) / math.log(x1 / x0)
-                return min(peak, math.exp(math.log(y0) + t * math.log(y1 / y0)))
-        return min(peak, curve[-1][1])
+        curve = (self.matmul_curve or {}).get(dtype, ())
+        return peak if per_op is None or not curve else min(peak, _interpolate(curve, per_op))
+
+    def bandwidth(self, per_op: float | None = None) -> float:
+        """Bytes/s of ops that move ``per_op`` bytes each (``bandwidth_curve``; ``None``: ``mem_bandwidth``)."""
+        if per_op is None or not self.bandwidth_curve:
+            return self.mem_bandwidth
+        return max(self.mem_bandwidth, _interpolate(self.bandwidth_curve, per_op))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Cluster:
@@ -118,11 +119,25 @@ class Cluster:
         values["flops"] = dict(values["flops"])
         if values.get("matmul_curve"):
             values["matmul_curve"] = {k: [tuple(p) for p in v] for k, v in dict(values["matmul_curve"]).items()}
+        if values.get("bandwidth_curve"):
+            values["bandwidth_curve"] = [tuple(p) for p in values["bandwidth_curve"]]
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, :meth:`from_dict`'s inverse."""
         return dataclasses.asdict(self)
+
+
+def _interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """``y`` at ``x`` on measured ``(x, y)`` points, log-log between them, flat beyond them."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + t * math.log(y1 / y0))
+    return points[-1][1]
 
 
 def link_of(axis: str, sizes: Mapping[str, int], cluster: Cluster) -> Link:

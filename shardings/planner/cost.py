@@ -2,7 +2,7 @@
 
 For the busiest rank::
 
-    compute  = Σ_dtype flops / rate(dtype, mean FLOPs per matmul) + other ops' bytes / memory bandwidth
+    compute  = Σ_dtype flops / rate(dtype, mean FLOPs per matmul) + other ops' bytes / bandwidth(mean bytes per op)
     dispatch = ops · op_overhead + DTensor ops · dtensor_overhead
     busy     = compute + dispatch          (CPU: the host runs both)
              = max(compute, dispatch)      (GPU: kernels run while the host dispatches the next)
@@ -66,7 +66,7 @@ def _link(axis: str, pred: Prediction, cluster: Cluster) -> Link:
 def step_time(pred: Prediction, cluster: Cluster) -> Timing:
     """The predicted step time of ``pred`` on ``cluster`` (module docstring)."""
     compute = sum(f / cluster.matmul_rate(d, f / max(1.0, pred.matmuls.get(d, 1.0))) for d, f in pred.flops.items())
-    compute += pred.bytes / cluster.mem_bandwidth
+    compute += pred.bytes / cluster.bandwidth(pred.bytes / max(1.0, pred.moves))
     dispatch = pred.ops.get("local", 0) * cluster.op_overhead + pred.ops.get("dtensor", 0) * cluster.dtensor_overhead
     busy = max(compute, dispatch) if cluster.async_dispatch else compute + dispatch
     comm = {k: _link(k[1], pred, cluster).time(c, float(b)) for k, (c, b) in pred.comm.items()}

@@ -118,6 +118,7 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     split = t * c
     flops = (prof.block.flops * blocks + prof.edge.flops) * local_rows / split
     matmuls = (prof.block.matmuls * blocks + prof.edge.matmuls) * m
+    moves = (prof.block.moves * blocks + prof.edge.moves) * m
     moved = (prof.block.bytes * blocks + prof.edge.bytes) * local_rows / split + 7 * state["opt_bytes"]
     dtensor = split > 1 or any(layouts.preset(p).group in ("ep",) for p in layout.presets)
     ops = (prof.block.ops * blocks + prof.edge.ops) * m * (1.3 if dtensor else 1.2)
@@ -133,7 +134,7 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     rows_comm = comm.frozen()
     dtype = str(compute or torch.float32).removeprefix("torch.")
     return Prediction(cand, False, rows_comm, rows_comm, memory, host,
-                      {dtype: flops}, {dtype: matmuls}, moved,
+                      {dtype: flops}, {dtype: matmuls}, moved, moves,
                       {"local": ops, "dtensor": ops * 0.05 if dtensor else 0.0}, bubble,
                       _overlapped(rows_comm, layout, cand), blocks,
                       per_microbatch if cand.pipelined else 0.0)

@@ -54,7 +54,7 @@ def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...
 
 def _values(m: Measured) -> dict[str, Any]:
     """A measurement as named numbers (comm rows as ``comm/kind/axis/count|bytes``) for extrapolation."""
-    out: dict[str, Any] = {"peak": m.peak, "at_entry": m.at_entry, "bytes": m.bytes,
+    out: dict[str, Any] = {"peak": m.peak, "at_entry": m.at_entry, "bytes": m.bytes, "moves": m.moves,
                            **{f"role/{k}": v for k, v in m.roles.items()},
                            **{f"flops/{k}": v for k, v in m.flops.items()},
                            **{f"matmuls/{k}": v for k, v in m.matmuls.items()},
@@ -149,7 +149,8 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     ops = {k.removeprefix("ops/"): float(v) for k, v in rank.items() if k.startswith("ops/")}
     matmuls = {k.removeprefix("matmuls/"): float(v) for k, v in rank.items() if k.startswith("matmuls/")}
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
-                               flops=flops, matmuls=matmuls, bytes=float(rank["bytes"]), ops=ops,
+                               flops=flops, matmuls=matmuls, bytes=float(rank["bytes"]), moves=float(rank["moves"]),
+                               ops=ops,
                                overlapped=estimates._overlapped(comm, layout, cand))
 
 

@@ -63,6 +63,7 @@ class Measured:
         flops: floating-point operations of matmuls and attention, forward and backward, by dtype name.
         matmuls: how many ops those FLOPs are in, by dtype name (their mean size sets their rate).
         bytes: bytes read and written by the other ops (elementwise, reductions, copies, the optimizer's).
+        moves: how many ops those bytes are in (their mean size sets their rate: small ones stay in cache).
         ops: ``{"dtensor": n, "local": n}``: ops dispatched with a DTensor argument, and on plain tensors.
     """
 
@@ -74,6 +75,7 @@ class Measured:
     flops: dict[str, int]
     matmuls: dict[str, int]
     bytes: int
+    moves: int
     ops: dict[str, int]
 
 
@@ -113,6 +115,7 @@ class OpCounter(TorchDispatchMode):
         self.flops: dict[str, int] = {}
         self.matmuls: dict[str, int] = {}
         self.bytes = 0
+        self.moves = 0  # the ops those bytes are in
         self.ops = {"dtensor": 0, "local": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -130,6 +133,7 @@ class OpCounter(TorchDispatchMode):
             self.flops[dtype] = self.flops.get(dtype, 0) + flops
             self.matmuls[dtype] = self.matmuls.get(dtype, 0) + 1
         elif not func.is_view and func.namespace not in self._COMM:
+            self.moves += 1
             self.bytes += sum(t.numel() * t.element_size() for t in tree.leaves((args, out))
                               if isinstance(t, torch.Tensor))
         return out
@@ -210,7 +214,7 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         comm = sent.totals()  # the step's own collectives (no scalar metrics: nothing after them), unrounded
         pipe = metrics.get("pipeline")
         return Measured(comm, peak.peak, peak.at_entry, dict(metrics["memory"]), pipe and pipe["saved_peak"],
-                        dict(counter.flops), dict(counter.matmuls), counter.bytes, dict(counter.ops))
+                        dict(counter.flops), dict(counter.matmuls), counter.bytes, counter.moves, dict(counter.ops))
 
 
 def _bound(loss: Any, cfg: Any) -> Any:

@@ -35,6 +35,7 @@ class Part:
     flops: float
     matmuls: float
     bytes: float
+    moves: float
     ops: float
     saved: float
     saved_residual: float
@@ -114,5 +115,5 @@ def _run(model: Any, cfg: Any, compute_dtype: torch.dtype | None) -> tuple[Part,
     residual = sum(n for n, r in saved.values() if r)
     width = (compute_dtype or torch.float32).itemsize
     part = Part(float(sum(counter.flops.values())), float(sum(counter.matmuls.values())), float(counter.bytes),
-                float(sum(counter.ops.values())), float(total), float(residual))
+                float(counter.moves), float(sum(counter.ops.values())), float(total), float(residual))
     return part, float(cfg.seq_len * (dim or 0) * width)

@@ -30,6 +30,7 @@ class Prediction:
         flops: FLOPs per rank per step by compute dtype name.
         matmuls: how many matmul and attention ops those FLOPs are in, by dtype name.
         bytes: bytes read and written by the ops that are not matmuls (elementwise, the optimizer's update).
+        moves: how many ops those bytes are in.
         ops: ops dispatched per step: ``{"local": n, "dtensor": n}``.
         bubble: the pipeline schedule's idle fraction (0 without ``pp``).
         overlapped: the ``comm`` keys whose time can hide behind compute (bucketed data-parallel reductions in
@@ -47,6 +48,7 @@ class Prediction:
     flops: dict[str, float]
     matmuls: dict[str, float]
     bytes: float
+    moves: float
     ops: dict[str, float]
     bubble: float
     overlapped: frozenset[tuple[str, str]]
