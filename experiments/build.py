@@ -2,9 +2,10 @@
 
 :func:`build` does all the checking a run can do without a process group — model config, layout
 presets, mesh axes, world size, divisibility of heads/batch/sequence, and with ``pp`` the pipeline
-(presets it composes with, schedule, microbatches, blocks per stage, simulated ranks), the precision
-policy and what is offloaded to host memory (``offload``: layout presets or the model's ``remat``) — so a bad
-combination fails at start, with one message, before any process is started.
+(schedule, microbatches, blocks per stage), the precision policy and what is offloaded to host memory
+(``offload``: layout presets or the model's ``remat``) — so a bad combination fails at start, with one
+message, before any process is started. It resolves the layout string once and makes the run's pipeline plan
+once; :class:`Setup` carries both to ``shardings.init`` and ``shardings.train_step``.
 """
 
 from __future__ import annotations
@@ -20,17 +21,10 @@ from typing import Any, NamedTuple
 import core
 import models
 from core import deferred, tree
-from shardings import pipeline
-from shardings.spec import layouts
-from shardings.spec.layouts import Layout
-from shardings.spec.mesh import Mesh
-from shardings.spec.rules import logical_to_spec
-from shardings.step.initialize import param_specs
-from shardings.step.pipeline_step import PIPELINE_PRESETS, has_pp
+from shardings import Mesh, layouts, logical_to_spec, param_specs, pipeline
 
 __all__ = ["ConfigError", "Setup", "build", "loss", "model", "optimizer", "pretrained"]
 
-_ROLES = ("params", "compute", "grads", "opt_state")
 _RUNTIMES = ("simulate", "multiprocess", "torchrun")
 
 
@@ -43,19 +37,17 @@ class Setup(NamedTuple):
 
     model: ModuleType  # the model module (Config, init, axes, loss, ...)
     model_cfg: Any  # its Config instance
-    layout: Layout
+    layout: layouts.Layout  # resolved once, offload presets included
     mesh: Mesh
     seq_len: int  # tokens per row of the data
-    microbatches: int = 1  # per step: accum_steps, or with pp the pipeline's (pipeline.microbatches resolved)
-    schedule: str | None = None  # with pp: the pipeline schedule (a key of shardings.pipeline.SCHEDULES); None without
-    stage_sizes: list[int] | None = None  # with pp: blocks per stage (None: balanced by parameter count)
+    microbatches: int = 1  # per step: accum_steps, or with pp the pipeline plan's
+    plan: pipeline.Plan | None = None  # with pp: the run's pipeline plan (schedule, microbatches, split); None without
     precision: core.precision.Policy | None = None  # None: fp32 throughout (no policy)
-    virtual_stages: int | None = None  # with pp: stages per rank for interleaved_1f1b (None: the schedule's own)
 
 
 def loss(setup: Setup) -> Callable[[Any, Any], Any]:
     """The loss a train step takes: the model's ``stages(cfg)`` under ``pp``, else its ``loss`` bound to its config."""
-    if setup.schedule is not None:
+    if setup.layout.pipelined:
         return setup.model.stages(setup.model_cfg)
     return functools.partial(setup.model.loss, cfg=setup.model_cfg)
 
@@ -118,49 +110,62 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     if offload.get("activations"):
         model_cfg = _offload_activations(module, model_cfg)
     precision = _precision(cfg.get("precision"))
-    hosted = [f"offload_{role}" for role in ("optimizer", "params") if offload.get(role)]
-    layout_name = "+".join([cfg.layout.name, *(h for h in hosted if h not in cfg.layout.name.split("+"))])
+    parts = [p.strip() for p in str(cfg.layout).split("+")]  # the offload presets join the user's spelling
+    spelled = "+".join([*parts, *(f"offload_{r}" for r in ("optimizer", "params") if offload.get(r)
+                                  and f"offload_{r}" not in parts)])
     data = cfg.get("data")
     batch_size = batch_size if batch_size is not None else data.batch_size
     seq_len = seq_len or (data.seq_len if data is not None else None) or model_cfg.seq_len
     accum = cfg.get("accum_steps", 1)
-    pipe = cfg.get("pipeline") or {}
-    schedule = _schedule(pipe.get("schedule", "1f1b"))
     try:
-        layout = layouts.get(layout_name)
+        layout = layouts.get(spelled)  # the run's one resolution (an unknown preset: the nearest name)
         mesh = Mesh(dict(cfg.mesh.sizes))
         if "runtime" in cfg:
             _world_size(cfg.runtime, mesh)
-        pp = has_pp(layout)
-        if pp:
-            _check_pipeline(module, layout)
+        if layout.pipelined:
+            _check_stages_declared(module)
         layouts.validate(layout, mesh)
         with deferred.deferred():  # shapes only: nothing is drawn
             shapes = module.init(core.random.key(0), model_cfg)
-        for role in _ROLES:
+        for role in layouts.PARAM_ROLES:
             param_specs(module.axes(model_cfg), shapes, layout, mesh, role=role)
         batch = logical_to_spec(("batch", "seq"), layout.role("batch"), mesh)
         acts = logical_to_spec(("batch", "seq", "embed"), layout.role("activations"), mesh)
     except ValueError as e:  # ShardingError and friends already name spec, mesh and fix
-        raise ConfigError(f"layout={layout_name} mesh={dict(cfg.mesh.sizes)}: {e}") from None
-    sizes = list(pipe.get("stage_sizes") or []) or None
+        raise ConfigError(f"layout={spelled} mesh={dict(cfg.mesh.sizes)}: {e}") from None
     _check_checkpointing(cfg.get("checkpoint"))
-    micro = _microbatches(pipe.get("microbatches"), accum, mesh.axis_size("pp")) if pp else accum
-    virtual = pipe.get("virtual_stages")
-    if pp:
-        try:  # the schedule's own checks (interleaved: m a multiple of pp, its virtual stages), before any work
-            stages = pipeline.build(schedule, mesh.axis_size("pp"), micro, virtual_stages=virtual).stages
-        except ValueError as e:
-            raise ConfigError(f"pipeline.schedule={schedule} pipeline.virtual_stages={virtual}: {e}") from None
-        _check_stages(len(shapes[module.stages(model_cfg).blocks]), mesh.axis_size("pp"), stages, sizes)
+    plan = _pipeline_plan(module, model_cfg, layout, mesh, shapes, cfg.get("pipeline") or {}, accum)
+    micro = plan.microbatches if plan is not None else accum
     dp = mesh.axis_size(batch.dim_axes()[0])
     _divisible("batch size", batch_size, dp * micro, "data.batch_size",
-               f"{dp} data-parallel ranks × {micro} pipeline microbatches" if pp else
+               f"{dp} data-parallel ranks × {micro} pipeline microbatches" if plan is not None else
                f"{dp} data-parallel ranks × {accum} accumulation steps")
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
-    return Setup(module, model_cfg, layout, mesh, seq_len, micro, schedule if pp else None, sizes if pp else None,
-                 precision, virtual if pp else None)
+    return Setup(module, model_cfg, layout, mesh, seq_len, micro, plan, precision)
+
+
+def _pipeline_plan(module: ModuleType, model_cfg: Any, layout: layouts.Layout, mesh: Mesh, shapes: Any, pipe: Any,
+                   accum: int) -> pipeline.Plan | None:
+    """The run's pipeline plan (``None`` without ``pp``), made once from the ``pipeline`` settings; a bad setting
+    fails here, named by its config key."""
+    if not layout.pipelined:
+        return None
+    name, virtual, pp = pipe.get("schedule"), pipe.get("virtual_stages"), mesh.axis_size("pp")
+    micro = _microbatches(pipe.get("microbatches"), accum)
+    sizes = list(pipe.get("stage_sizes") or []) or None
+    blocks = module.stages(model_cfg).blocks
+    where = f"pipeline.schedule={name} pipeline.virtual_stages={virtual}"
+    try:
+        stages = pp * pipeline.stages_per_rank(name, virtual)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    _check_stages(len(shapes[blocks]), pp, stages, sizes)
+    try:  # the schedule's own checks (interleaved: m a multiple of pp), before any work
+        return pipeline.plan(layout, mesh, shapes, schedule=name, microbatches=micro, accum_steps=accum,
+                             virtual_stages=virtual, stage_sizes=sizes, blocks=blocks)
+    except ValueError as e:
+        raise ConfigError(f"{where} pipeline.microbatches={micro}: {e}") from None
 
 
 def _precision(conf: Any) -> core.precision.Policy | None:
@@ -186,18 +191,8 @@ def _offload_activations(module: ModuleType, model_cfg: Any) -> Any:
     return dataclasses.replace(model_cfg, remat="offload")
 
 
-def _schedule(name: str) -> str:
-    if name not in pipeline.SCHEDULES:
-        raise ConfigError(f"pipeline.schedule={name!r} is unknown. Fix: use one of {sorted(pipeline.SCHEDULES)}.")
-    return name
-
-
-def _check_pipeline(module: ModuleType, layout: Layout) -> None:
-    """A layout with ``pp``: presets it composes with, and a model that declares stages."""
-    other = sorted(set(layout.name.split("+")) - PIPELINE_PRESETS)
-    if other:
-        raise ValueError(f"pp does not compose with {other} yet. "
-                         f"Fix: use pp with {sorted(PIPELINE_PRESETS - {'pp'})}, e.g. layout=dp+pp.")
+def _check_stages_declared(module: ModuleType) -> None:
+    """A layout with ``pp`` needs a model that declares its stages (``layouts.get`` checked the presets)."""
     if not callable(getattr(module, "stages", None)):
         raise ValueError(f"model {module.__name__} declares no pipeline stages (a stages(cfg) function). "
                          "Fix: use a model with stages (gpt, moe, mlp), or a layout without pp.")
@@ -214,10 +209,10 @@ def _check_stages(blocks: int, pp: int, stages: int, sizes: list[int] | None) ->
                           "stage.")
 
 
-def _microbatches(microbatches: int | None, accum: int, pp: int) -> int:
-    """``pipeline.microbatches``, or ``train_step``'s default: ``accum_steps`` when > 1, else the ``pp`` size."""
+def _microbatches(microbatches: int | None, accum: int) -> int | None:
+    """``pipeline.microbatches``, checked (``None``: the pipeline plan's default)."""
     if microbatches is None:
-        return accum if accum > 1 else pp
+        return None
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"pipeline.microbatches={microbatches!r} is not a positive int. "
                           "Fix: set it to e.g. the pp size or more, or null for the default.")

@@ -2,10 +2,7 @@
 
 Groups (pick one member each on the command line, ``group=member``):
 
-- ``model``: ``mlp``, ``gpt_tiny``, ``gpt_small``, ``moe_tiny`` (needs ``models.moe``).
-- ``layout``: every preset of ``shardings.spec.layouts`` and every valid ``+`` composition of them
-  (``dp``, ``zero3``, ``zero3+tp``, ``zero3+tp+sp``, ``hsdp+tp``, ...), in any order on the command
-  line (``layout=sp+tp`` is ``tp+sp``), as in Python.
+- ``model``: ``mlp``, ``gpt_tiny``, ``gpt_small``, ``moe_tiny``.
 - ``mesh``: sizes by axis name, major to minor (``dp4``, ``dp2_tp2``, ``fsdp2_tp2``, ...).
 - ``optim``: ``adamw``, ``sgd``. ``data``: ``stdlib`` (the Python standard library's source, as
   bytes), ``random`` (uniform bytes: nothing to learn, for throughput). ``runtime``: ``simulate``,
@@ -16,10 +13,16 @@ Groups (pick one member each on the command line, ``group=member``):
   gains ``+offload_optimizer``), ``params`` (``+offload_params``), ``activations`` (the model's
   ``remat="offload"``: saved activations go to host memory until backward).
 
+``layout`` is a plain string field: a preset of ``shardings.layouts`` or a ``+`` composition of them, in any
+order, as in Python (``layout=zero3+tp+sp``, ``layout=sp+tp``; sweeps ``-m layout=dp,zero3``).
+``experiments.build`` resolves it once and refuses a bad one with the presets and the nearest name.
+
 A layout with ``pp`` (``layout=dp+pp mesh=dp2_pp2``) pipelines the model's blocks over
 the mesh axis ``pp``; the ``pipeline`` node (not a group: set its fields) picks the schedule and the
 microbatches (``pipeline.schedule=gpipe pipeline.microbatches=4``) and, optionally, the blocks per stage
-(``pipeline.stage_sizes=[3,1]``).
+(``pipeline.stage_sizes=[3,1]``); ``experiments.build`` makes the run's pipeline plan from them.
+
+Nothing is registered at import: the apps call :func:`register` in their entry points.
 
 The primary configs are ``train`` (``python -m experiments.train``) and ``equivalence``
 (``python -m experiments.equivalence``).
@@ -28,16 +31,12 @@ The primary configs are ``train`` (``python -m experiments.train``) and ``equiva
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
 
-from shardings.spec import layouts
+import models
 
 __all__ = [
     "MESHES",
@@ -47,7 +46,6 @@ __all__ = [
     "CheckpointConf",
     "DataConf",
     "EquivalenceConf",
-    "LayoutConf",
     "MeshConf",
     "ModelConf",
     "OffloadConf",
@@ -56,7 +54,6 @@ __all__ = [
     "PrecisionConf",
     "RuntimeConf",
     "TrainConf",
-    "layout_names",
     "register",
 ]
 
@@ -68,13 +65,6 @@ class ModelConf:
     name: str = "gpt"
     config: dict[str, Any] = field(default_factory=dict)  # fields of the model module's Config
     init_from: str | None = None  # a Hugging Face Llama folder (experiments.export) to start training from
-
-
-@dataclass
-class LayoutConf:
-    """A layout preset or ``+`` composition, as ``shardings.spec.layouts.get`` takes it."""
-
-    name: str = "dp"
 
 
 @dataclass
@@ -133,9 +123,9 @@ class CheckpointConf:
 class PipelineConf:
     """The pipeline of a layout with ``pp`` (ignored without it): its schedule and microbatches per step."""
 
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zb_v (docs/pipeline.md: bubble and memory)
-    virtual_stages: int | None = None  # interleaved_1f1b: model chunks per rank (null -> 2); zb_v has 2, others 1
-    microbatches: int | None = None  # null -> accum_steps when > 1, else the pp size (train_step's default)
+    schedule: str | None = None  # a name in shardings.pipeline.SCHEDULES; null -> DEFAULT_SCHEDULE (docs/pipeline.md)
+    virtual_stages: int | None = None  # interleaved_1f1b: model chunks per rank (null -> 2); the others: their own
+    microbatches: int | None = None  # null -> accum_steps when > 1, else the pp size (shardings.pipeline.plan's)
     stage_sizes: list[int] | None = None  # blocks per stage, e.g. [3, 1]; null -> balanced by parameter count
 
 
@@ -162,7 +152,6 @@ class OffloadConf:
 _TRAIN_DEFAULTS = [
     "_self_",
     {"model": "gpt_tiny"},
-    {"layout": "zero3+tp"},
     {"mesh": "dp2_tp2"},
     {"optim": "adamw"},
     {"data": "stdlib"},
@@ -178,7 +167,7 @@ class TrainConf:
 
     defaults: list[Any] = field(default_factory=lambda: list(_TRAIN_DEFAULTS))
     model: ModelConf = field(default_factory=ModelConf)
-    layout: LayoutConf = field(default_factory=LayoutConf)
+    layout: str = "zero3+tp"  # presets joined with '+', in any order (shardings.layouts.get)
     mesh: MeshConf = field(default_factory=MeshConf)
     optim: OptimConf = field(default_factory=OptimConf)
     data: DataConf = field(default_factory=DataConf)
@@ -199,11 +188,11 @@ class EquivalenceConf:
     """``python -m experiments.equivalence``: one layout vs the single-device reference, on simulated ranks."""
 
     defaults: list[Any] = field(
-        default_factory=lambda: ["_self_", {"model": "mlp"}, {"layout": "zero3"}, {"mesh": "dp2"}, {"optim": "sgd"}]
+        default_factory=lambda: ["_self_", {"model": "mlp"}, {"mesh": "dp2"}, {"optim": "sgd"}]
     )  # SGD: parameter differences stay proportional to gradient differences. Adam divides by sqrt(v), so
     # fp32 rounding on near-zero gradients (another reduction order) can move a parameter by ~lr.
     model: ModelConf = field(default_factory=ModelConf)
-    layout: LayoutConf = field(default_factory=LayoutConf)
+    layout: str = "zero3"  # presets joined with '+', in any order (shardings.layouts.get)
     mesh: MeshConf = field(default_factory=MeshConf)
     optim: OptimConf = field(default_factory=OptimConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
@@ -257,70 +246,17 @@ OFFLOADS: dict[str, OffloadConf] = {
 }
 
 
-def layout_names() -> list[str]:
-    """Every preset and every composition ``layouts.get`` accepts, canonically ordered, aliases included."""
-    presets = [n for n in layouts.names() if not _is_alias(n)]
-    found: dict[str, None] = {}
-    for k in range(1, len(presets) + 1):
-        for combo in itertools.combinations(presets, k):
-            try:
-                found[layouts.get(combo).name] = None
-            except ValueError:
-                continue
-    return list(found) + [n for n in layouts.names() if n not in presets]
-
-
-def _is_alias(name: str) -> bool:
-    try:
-        return layouts.get(name).name != name
-    except ValueError:  # a preset that only composes (sp needs tp)
-        return False
-
-
 def _model_config(module_name: str, values: dict[str, Any]) -> dict[str, Any]:
-    import models
-
-    try:
-        config_cls = models.get(module_name).Config
-    except ValueError:  # not there yet (moe): the error comes when the member is used
-        return dict(values)
+    config_cls = models.get(module_name).Config
     return {f.name: getattr(config_cls(), f.name) for f in dataclasses.fields(config_cls)} | values
 
 
-def _layout_spellings(overrides: Sequence[str]) -> dict[str, str]:
-    """Each ``layout=`` value of ``overrides`` (sweeps included) that is a valid layout in another order -> its name."""
-    parser, found = OverridesParser.create(), {}
-    for text in overrides:
-        if not text.lstrip("+~").startswith("layout="):
-            continue
-        try:
-            override = parser.parse_override(text)
-            values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
-                      else [override.get_value_element_as_str()])
-        except HydraException:  # Hydra itself reports a malformed override
-            continue
-        for value in values:
-            try:
-                found[value] = layouts.get(value).name
-            except ValueError:  # not a layout: Hydra's "could not find layout/..." names it
-                continue
-    return found
-
-
-def register(overrides: Sequence[str] = ()) -> ConfigStore:
-    """Register every group member and both primary configs (idempotent).
-
-    Canonically ordered compositions are the ``layout`` members; a composition spelled in another
-    order in ``overrides`` (the command line's, ``layout=sp+tp``) is registered too, as the same layout.
-    Registering every order up front would cost a second of start-up (2,000 members).
-    """
+def register() -> ConfigStore:
+    """Register every group member and both primary configs in Hydra's ConfigStore (idempotent); the apps call it
+    in their entry points, before Hydra composes."""
     cs = ConfigStore.instance()
-    for spelling, name in _layout_spellings(overrides).items():
-        cs.store(group="layout", name=spelling, node=LayoutConf(name=name))
     for name, (module, values) in MODELS.items():
         cs.store(group="model", name=name, node=ModelConf(name=module, config=_model_config(module, values)))
-    for name in layout_names():
-        cs.store(group="layout", name=name, node=LayoutConf(name=name))
     for name, sizes in MESHES.items():
         cs.store(group="mesh", name=name, node=MeshConf(sizes=dict(sizes)))
     for group, members in (("optim", _OPTIM), ("data", _DATA), ("runtime", _RUNTIMES), ("precision", PRECISIONS),

@@ -9,7 +9,7 @@ token of the next); rows are shuffled by a seeded permutation per epoch.
 Batch ``position`` (the number of global batches already consumed) fixes everything: which rows,
 in which order. A :class:`DataState` is that position, so saving it and resuming continues the
 same token stream exactly. Each rank builds only its block of the global batch — the block the
-layout's ``batch`` spec gives it (``shardings.spec.lower.local_block``) — as a DTensor, so no rank
+layout's ``batch`` spec gives it (``shardings.from_callback``) — as a DTensor, so no rank
 reads or holds another rank's rows.
 """
 
@@ -25,12 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardings.runtime.compat import rank_map
-from shardings.spec import layouts, lower
-from shardings.spec.errors import sharding_error
-from shardings.spec.lower import coords_of_rank
-from shardings.spec.mesh import Mesh, P
-from shardings.spec.rules import logical_to_spec
+from shardings import Mesh, P, from_callback, layouts, logical_to_spec, sharding_error
 
 __all__ = ["DataState", "Packed", "batch_spec", "load_corpus", "read_files", "stdlib_files"]
 
@@ -148,7 +143,6 @@ class Packed:
         block of ``dist.get_rank()``. Either way a rank materializes only its own rows.
         """
         spec = batch_spec(layout, mesh)
-        shape = (self.batch_size, self.seq_len)
         if self.batch_size % mesh.axis_size(spec.dim_axes()[0]):
             raise sharding_error(
                 f"data.batch_size={self.batch_size} is not divisible by the {mesh.axis_size(spec.dim_axes()[0])} "
@@ -156,14 +150,8 @@ class Packed:
                 fix="use a global batch size that is a multiple of the data-parallel ranks",
                 spec=spec, mesh=mesh,
             )
-        placements = lower.to_placements(spec, mesh, 2)
-        stride = torch.empty(shape, device="meta").stride()
 
-        def rows_of(rank: int) -> dict[str, torch.Tensor]:
-            return self.block(state, lower.local_block(shape, spec, mesh, coords_of_rank(rank, mesh)))
-
-        def part(key: str) -> DTensor:
-            local = rank_map(lambda r: rows_of(r)[key])  # one block per (simulated) rank
-            return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+        def part(key: str) -> DTensor:  # one block per (simulated) rank
+            return from_callback((self.batch_size, self.seq_len), spec, mesh, lambda rows: self.block(state, rows)[key])
 
         return {"tokens": part("tokens"), "labels": part("labels")}, DataState(state.position + 1)

@@ -3,9 +3,9 @@
 Runs ``shardings.testing.equivalence.check_equivalence`` on simulated ranks (``mesh``'s size) for
 the model's ``example_batch``, and prints per-step max abs/rel differences of loss, grads and
 params against the single-device reference. Exit code 0 when every comparison is within the
-DESIGN §5 tolerances, 1 otherwise (the first failing and the worst key path are named), 2 for a
-configuration that cannot run. The optimizer runs at a constant ``optim.lr`` (no warmup), so every
-compared step moves the parameters. Overrides use Hydra's syntax and the ``train`` app's groups::
+tolerance rule of ``shardings.testing`` (docs/equivalence.md), 1 otherwise (the first failing and the worst key
+path are named), 2 for a configuration that cannot run. The optimizer runs at a constant ``optim.lr`` (no
+warmup), so every compared step moves the parameters. Overrides use Hydra's syntax and the ``train`` app's groups::
 
     python -m experiments.equivalence model=gpt_tiny layout=zero3+tp+sp mesh=dp2_tp2 steps=3
     python -m experiments.equivalence model=gpt_tiny layout=dp+pp mesh=dp2_pp2 pipeline.schedule=gpipe \
@@ -26,7 +26,7 @@ from hydra.errors import HydraException
 
 from experiments.build import ConfigError, build, optimizer
 from experiments.config import register
-from shardings.testing.equivalence import check_equivalence
+from shardings.testing import check_equivalence
 
 __all__ = ["main"]
 
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     0
     """
     overrides = list(sys.argv[1:] if argv is None else argv)
-    register(overrides)
+    register()
     try:
         with initialize(version_base="1.3", config_path=None):
             cfg = compose("equivalence", overrides=overrides)
@@ -46,17 +46,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model, model_cfg = setup.model, setup.model_cfg
-    pp = setup.schedule is not None  # the pipelined side runs the model's stages, its reference the model's loss
+    model, model_cfg, plan = setup.model, setup.model_cfg, setup.plan
     report = check_equivalence(
         model.init, model.loss, model.axes, model_cfg,
         model.example_batch(model_cfg, cfg.batch_size, seed=cfg.seed),
         layouts=[setup.layout], mesh=setup.mesh, steps=cfg.steps,
         optimizer=optimizer(cfg.optim, cfg.steps, schedule=False), accum_steps=setup.microbatches,
         clip_norm=cfg.optim.clip_norm, seed=cfg.seed, raise_on_failure=False,
-        stages=model.stages if pp else None, schedule=setup.schedule or "1f1b",
+        stages=model.stages if plan else None,  # the pipelined side runs the model's stages, its reference the loss
+        schedule=plan.schedule if plan else None,
     )
-    how = f", {setup.schedule} over {setup.microbatches} microbatches" if pp else ""
+    how = f", {plan.schedule.name} over {plan.microbatches} microbatches" if plan else ""
     print(f"{cfg.model.name} under {setup.layout.name!r} on {setup.mesh!r}{how}, {cfg.steps} steps vs one device:")
     print(report.table())
     if report.ok:

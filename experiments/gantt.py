@@ -25,7 +25,6 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from shardings import pipeline
-from shardings.pipeline.schedule import timeline
 
 __all__ = ["Bar", "draw", "draw_run", "idle_fraction", "measured", "planned", "save"]
 
@@ -49,7 +48,8 @@ def _label(action: Any, several: bool) -> str:
 def planned(schedule: pipeline.Schedule) -> list[Bar]:
     """The unit-time timeline's computes as bars (sends and receives take no time there)."""
     several = schedule.stages_per_rank > 1
-    return [Bar(r, t, t + 1, a.kind, _label(a, several)) for r, row in enumerate(timeline(schedule)) for t, a in row]
+    return [Bar(r, t, t + 1, a.kind, _label(a, several))
+            for r, row in enumerate(pipeline.timeline(schedule)) for t, a in row]
 
 
 def measured(timed: Sequence[Any], stages_per_rank: int = 1) -> list[Bar]:

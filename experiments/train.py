@@ -51,17 +51,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import core
 import shardings
-from experiments.build import ConfigError, build, loss, optimizer, pretrained
+from experiments.build import ConfigError, Setup, build, loss, optimizer, pretrained
 from experiments.config import register
 from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
-from shardings import checkpoint
-from shardings.runtime.compat import maybe_disable_local_tensor_mode
-from shardings.runtime.simulate import unwrap
-from shardings.step.initialize import init as sharded_init
-from shardings.step.train_step import train_step
+from shardings import checkpoint, maybe_disable_local_tensor_mode, unwrap
 
-__all__ = ["human_bytes", "main", "run", "run_rank"]
+__all__ = ["app", "human_bytes", "main", "run", "run_rank"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -129,7 +125,7 @@ def _earlier_records(out_dir: str, upto: int) -> list[dict[str, Any]]:
     return [r for r in records if r["step"] <= upto]
 
 
-def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
+def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> dict[str, Any]:
     """One rank's training loop (all ranks run it); rank 0 writes metrics and shows the progress bar.
 
     With ``checkpoint.every=N`` the whole train state is saved every N steps and at the last one,
@@ -139,21 +135,22 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
     Args:
         conf: the resolved config as a plain dict.
         out_dir: the run directory.
+        setup: ``build``'s result for ``conf`` when it was made in this process (simulated ranks); a real
+            process builds its own (a Setup holds the model module, which does not travel to another process).
 
     Returns:
         The run's summary (final loss, mean tokens/s, mean comm bytes per step by kind, memory per rank).
     """
     cfg = OmegaConf.create(conf)
-    setup = build(cfg)
+    setup = setup or build(cfg)
     m, mcfg = setup.model, setup.model_cfg
     axes = m.axes(mcfg)
     key = core.random.key(cfg.seed)
-    params = sharded_init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh,
-                          stage_sizes=setup.stage_sizes, schedule=(setup.schedule, setup.virtual_stages))
-    step = train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh, axes=axes,
-                      microbatches=setup.microbatches, schedule=setup.schedule or "1f1b", clip_norm=cfg.optim.clip_norm,
-                      stage_sizes=setup.stage_sizes, precision=setup.precision, virtual_stages=setup.virtual_stages,
-                      donate=True)  # the loop never reads a step's inputs again
+    params = shardings.init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh, plan=setup.plan)
+    step = shardings.train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh,
+                                axes=axes, accum_steps=setup.microbatches, plan=setup.plan,
+                                clip_norm=cfg.optim.clip_norm, precision=setup.precision,
+                                donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):
@@ -167,8 +164,8 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
         if cfg.model.init_from:
             with maybe_disable_local_tensor_mode():  # whole tensors, read once; init shards them
                 whole = pretrained(cfg.model.init_from, setup)
-            params = sharded_init(lambda _key, _cfg: whole, key, mcfg, axes=axes, layout=setup.layout,
-                                  mesh=setup.mesh)
+            params = shardings.init(lambda _key, _cfg: whole, key, mcfg, axes=axes, layout=setup.layout,
+                                    mesh=setup.mesh, plan=setup.plan)
         opt_state, data_state = step.init(params), DataState(0)
     data = Packed(load_corpus(cfg.data.source, cfg.data.max_bytes, cfg.data.seed), setup.seq_len,
                   cfg.data.batch_size, cfg.data.seed)
@@ -183,7 +180,7 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
         stack.callback(bar.close)
         for i in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
-            if setup.schedule:  # pp: the global batch (one copy: whole tensors), placed by the step on its stage mesh
+            if setup.layout.pipelined:  # the global batch (whole tensors), placed by the step on its stage mesh
                 with maybe_disable_local_tensor_mode():
                     batch, data_state = data.next(data_state)
             else:
@@ -206,10 +203,10 @@ def run_rank(conf: dict[str, Any], out_dir: str) -> dict[str, Any]:
         view = shardings.describe_layout(params, axes, setup.layout, setup.mesh,
                                          comm=records[-1]["comm"] if records else None)
         Path(out_dir, "layout.json").write_text(json.dumps(view.to_dict(), indent=1) + "\n")
-        if getattr(step, "last", None) is not None:  # pp: the last step's schedule as planned and as it ran
+        if setup.plan is not None and step.last is not None:  # pp: the last step's schedule as planned and as it ran
             from experiments import gantt  # matplotlib: only for pipeline runs
 
-            gantt.save(Path(out_dir, gantt.TIMELINE), step.schedule, step.last)
+            gantt.save(Path(out_dir, gantt.TIMELINE), setup.plan.schedule, step.last)
     return summary
 
 
@@ -271,12 +268,9 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     world = cfg.runtime.world_size or setup.mesh.size
     if cfg.runtime.kind == "simulate":
         with shardings.simulate(world):
-            return run_rank(conf, out_dir)
+            return run_rank(conf, out_dir, setup)
     return shardings.launch(run_rank, world, conf, out_dir, backend=cfg.runtime.backend,
                             timeout=cfg.runtime.timeout_s)[0]
-
-
-register(sys.argv[1:])  # the command line's layout spellings (layout=sp+tp) become members too
 
 
 def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
@@ -286,9 +280,15 @@ def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
         Path(out_dir, "status.json").write_text(json.dumps({"status": status, "reason": reason}) + "\n")
 
 
+def main() -> None:
+    """``python -m experiments.train [overrides]``: register the configs, then run the Hydra app (:func:`app`)."""
+    register()
+    app()
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> float:
-    """The Hydra entry point; returns the final loss (what a Hydra sweeper would minimize).
+def app(cfg: DictConfig) -> float:
+    """The Hydra app; returns the final loss (what a Hydra sweeper would minimize).
 
     One run exits 2 on an impossible combination and 1 when a rank fails. In a sweep an impossible
     combination is skipped (one line, ``status.json``) and the sweep goes on; a failed job is recorded

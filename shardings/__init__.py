@@ -5,7 +5,9 @@ subpackages by concern, and imports between them go one way — each may import 
 
     spec → runtime → comm → residency → ops → pipeline → step → checkpoint → testing → planner
 
-(``tests/test_architecture.py`` checks it on the source; docs/internals.md walks through them).
+``runtime/compat.py`` (every private torch name) is below them all. Code outside ``shardings`` imports from here
+and the public subpackages re-exported here (``pipeline``, ``testing``, ``checkpoint``, ``layouts``).
+``tests/test_architecture.py`` checks both on the source; docs/internals.md walks through the subpackages.
 """
 
 from shardings import checkpoint, pipeline, planner, testing
@@ -28,22 +30,25 @@ from shardings.ops.local_einsum import einsum
 from shardings.ops.ring_attention import attention
 from shardings.ops.vocab_parallel import embedding, nll
 from shardings.planner import plan
+from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.launch import LaunchError, launch
-from shardings.runtime.simulate import per_rank, simulate, unwrap
+from shardings.runtime.simulate import per_rank, simulate, simulated, unwrap
 from shardings.spec import layouts
 from shardings.spec.context import constrain, current, use
-from shardings.spec.distribute import gather, partial_axes, reshard, shard, spec_of
+from shardings.spec.distribute import from_callback, gather, partial_axes, reshard, shard, spec_of
 from shardings.spec.errors import ShardingError, sharding_error
+from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh, NamedSharding, P
 from shardings.spec.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.spec.visualize import visualize
-from shardings.step.initialize import init
+from shardings.step.initialize import init, param_specs
 from shardings.step.layout_view import describe as describe_layout
 from shardings.step.train_step import TrainStep, default_token_count, train_step
 
 __all__ = [
     "Comms",
     "LaunchError",
+    "Layout",
     "Mesh",
     "NamedSharding",
     "P",
@@ -66,15 +71,18 @@ __all__ = [
     "describe_layout",
     "einsum",
     "embedding",
+    "from_callback",
     "gather",
     "init",
     "launch",
     "layouts",
     "logical_to_spec",
     "logical_to_specs",
+    "maybe_disable_local_tensor_mode",
     "memory",
     "module_tp",
     "nll",
+    "param_specs",
     "partial_axes",
     "peak_memory",
     "per_rank",
@@ -85,11 +93,13 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "rank_map",
     "reshard",
     "shard",
     "shard_map",
     "sharding_error",
     "simulate",
+    "simulated",
     "spec_of",
     "testing",
     "train_step",

@@ -1,4 +1,6 @@
-"""Imports go one way: ``core`` knows nothing of ranks or of the packages built on it.
+"""Imports go one way: ``core`` knows nothing of ranks or of the packages built on it; inside ``shardings`` the
+subpackages import down their order; code outside ``shardings`` uses its public facade; private torch names come
+through ``shardings/runtime/compat.py``; ``tests/shardings`` mirrors the subpackages.
 
 Checked on the source (every ``import``/``from ... import``, function-level ones included), so a lazy import
 cannot slip past.
@@ -7,6 +9,8 @@ cannot slip past.
 import ast
 import sys
 from pathlib import Path
+
+import shardings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,21 +59,27 @@ def test_the_checker_sees_imports(tmp_path, monkeypatch):
 
 # shardings/: subpackages by concern, imports one way (shardings/__init__.py's docstring)
 LAYERS = ["spec", "runtime", "comm", "residency", "ops", "pipeline", "step", "checkpoint", "testing", "planner"]
+# The one module every layer may import, whatever its place: the private torch names (it imports only spec.errors).
+TORCH_ADAPTER = "shardings.runtime.compat"
 
 
 def layer_violations(root: Path = ROOT) -> dict[str, list[str]]:
     """Per file under ``shardings/<layer>/``, the shardings imports that go up the order or through the facade
-    (``from shardings import X``: only ``testing``, the top, may use the public surface)."""
+    (``from shardings import X``: only ``testing``, the top, may use the public surface); the torch adapter
+    (``runtime/compat.py``) is below every layer, and imports nothing of shardings but ``spec.errors``."""
     bad = {}
     for i, layer in enumerate(LAYERS):
         for path in sorted((root / "shardings" / layer).rglob("*.py")):
             hits = []
             for m in imports(path, root):
                 parts = m.split(".")
-                if parts[0] != "shardings":
+                if parts[0] != "shardings" or m == TORCH_ADAPTER or m.startswith(TORCH_ADAPTER + "."):
                     continue
                 target = parts[1] if len(parts) > 1 else None
-                if target in LAYERS:
+                if path == root / "shardings" / "runtime" / "compat.py":
+                    if not m.startswith("shardings.spec.errors"):
+                        hits.append(m)
+                elif target in LAYERS:
                     if LAYERS.index(target) > i:
                         hits.append(m)
                 elif layer != "testing":
@@ -93,19 +103,20 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
     for layer in LAYERS:
         (tmp_path / "shardings" / layer).mkdir(parents=True)
     (tmp_path / "shardings" / "spec" / "bad.py").write_text(
-        "from shardings.step import train_step\nfrom shardings import Mesh\nfrom shardings.spec import mesh\n")
+        "from shardings.step import train_step\nfrom shardings import Mesh\nfrom shardings.spec import mesh\n"
+        "from shardings.runtime.compat import rank_map\n")
     (tmp_path / "shardings" / "step" / "ok.py").write_text("from shardings.spec.mesh import Mesh\n")
-    assert layer_violations(tmp_path) == {"shardings/spec/bad.py": ["shardings", "shardings.Mesh", "shardings.step",
-                                                                   "shardings.step.train_step"]}
+    (tmp_path / "shardings" / "runtime" / "compat.py").write_text(
+        "from shardings.spec.errors import sharding_error\nfrom shardings.spec.mesh import Mesh\n")
+    assert layer_violations(tmp_path) == {
+        "shardings/spec/bad.py": ["shardings", "shardings.Mesh", "shardings.step", "shardings.step.train_step"],
+        "shardings/runtime/compat.py": ["shardings.spec.mesh", "shardings.spec.mesh.Mesh"]}
 
 
 # Code outside shardings/ uses its public surface only (DESIGN §1): a name in ``shardings.__all__``, or in the
 # ``__all__`` of a public subpackage it lists (``shardings.pipeline``, ``testing``, ``checkpoint``); never a module
-# inside it, never a private name. The experiment apps join FACADE_USERS once they import the facade only (#28).
-FACADE_USERS = ("models", "experiments/bench")
-# Imports that wait for a facade name: LOW_PRECISION_ULPS joins shardings.testing's __all__ (then drop this entry
-# and import it from shardings.testing). Compared exactly, so a stale entry fails too.
-NOT_YET_PUBLIC = {"experiments/bench/wrappers.py": ["shardings.testing.tolerance.LOW_PRECISION_ULPS"]}
+# inside it, never a private name.
+FACADE_USERS = ("models", "experiments")
 
 
 def _public(name: str) -> bool:
@@ -131,7 +142,7 @@ def facade_violations(folders: tuple[str, ...], root: Path = ROOT) -> dict[str, 
 
 
 def test_code_outside_shardings_imports_only_its_facade():
-    assert facade_violations(FACADE_USERS) == NOT_YET_PUBLIC
+    assert facade_violations(FACADE_USERS) == {}
 
 
 def test_the_facade_check_sees_internal_and_private_imports(tmp_path):
@@ -143,3 +154,59 @@ def test_the_facade_check_sees_internal_and_private_imports(tmp_path):
     assert facade_violations(("models",), tmp_path) == {"models/sneaky.py": [
         "shardings._private", "shardings.pipeline.execute", "shardings.pipeline.execute._Saved",
         "shardings.spec.errors", "shardings.spec.errors.sharding_error"]}
+
+
+def test_the_facade_re_exports_what_its_callers_need():
+    for name in ("layouts", "pipeline", "testing", "checkpoint", "Layout", "param_specs", "from_callback",
+                 "default_token_count", "rank_map", "maybe_disable_local_tensor_mode", "simulated"):
+        assert name in shardings.__all__ and hasattr(shardings, name), name
+
+
+# Private torch names (a module or a name starting with "_" under torch) are imported in one module only.
+COMPAT = "shardings/runtime/compat.py"
+PRIVATE_TORCH_EXEMPT = {
+    # core may not import shardings (the layer test above): its pytree layer wraps torch.utils._pytree itself,
+    # and its fused optimizer calls torch's fused kernels
+    "core/tree.py": "core is below shardings",
+    # a benchmark of torch.compile reads the compiler's own graph-break and recompile counters, which no public
+    # torch API exposes; it measures torch, not shardlab, so it does not go through shardlab's compat layer
+    "experiments/bench/jit.py": "torch._dynamo.utils.counters",
+}
+
+
+def private_torch_imports(root: Path = ROOT, packages: tuple[str, ...] = ("shardings", "experiments", "models",
+                                                                         "core")) -> dict[str, list[str]]:
+    """Per file, the private torch modules or names it imports (``torch.x._y``, ``from torch.x import _y``)."""
+    bad = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel == COMPAT or rel in PRIVATE_TORCH_EXEMPT:
+                continue
+            hits = sorted(m for m in imports(path, root) if m.split(".")[0] == "torch"
+                          and any(part.startswith("_") for part in m.split(".")[1:]))
+            if hits:
+                bad[rel] = hits
+    return bad
+
+
+def test_private_torch_names_come_through_compat_only():
+    assert private_torch_imports() == {}
+
+
+def test_the_private_name_check_sees_modules_and_names(tmp_path):
+    (tmp_path / "shardings").mkdir()
+    (tmp_path / "shardings" / "x.py").write_text(
+        "import torch.distributed._functional_collectives as funcol\nfrom torch.utils import _pytree\n"
+        "from torch.distributed.tensor.placement_types import _StridedShard\nfrom torch.distributed import tensor\n")
+    assert private_torch_imports(tmp_path, ("shardings",)) == {"shardings/x.py": [
+        "torch.distributed._functional_collectives", "torch.distributed.tensor.placement_types._StridedShard",
+        "torch.utils._pytree"]}
+
+
+def test_tests_mirror_the_shardings_subpackages():
+    """``tests/shardings/<subpackage>/`` for each subpackage, and no loose test files beside them."""
+    tests = ROOT / "tests" / "shardings"
+    folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__")
+    loose = sorted(p.name for p in tests.glob("*.py") if p.name != "__init__.py")
+    assert folders == sorted(LAYERS) and loose == []

@@ -43,6 +43,22 @@ def test_the_rules_table_is_generated_from_the_rules():
     )
 
 
+_EXAMPLE = re.compile(r"^<!-- encoder: (\S+) -->\n```python\n(.*?)^```", re.S | re.M)
+
+
+def test_the_models_worked_example_is_the_module_the_tests_import():
+    """docs/models.md shows the encoder the checker's tests use: one source, two places, kept identical."""
+    text = (ROOT / "docs" / "models.md").read_text()
+    found = _EXAMPLE.search(text)
+    assert found, "docs/models.md lost its <!-- encoder: tests/models/encoder.py --> block"
+    source = (ROOT / found.group(1)).read_text()
+    code = source[source.index('"""', 3) + 3:].lstrip("\n")  # below the module docstring
+    assert found.group(2) == code, (
+        f"docs/models.md's encoder block differs from {found.group(1)}. Fix: copy the module's code below its "
+        "docstring into the block (or the block into the module)."
+    )
+
+
 def test_every_logical_name_the_docs_map_exists():
     """``name→axis`` in prose and tables: the left side must be a logical name the layouts know."""
     known = set(LOGICAL_NAMES) | {"kv_seq"}

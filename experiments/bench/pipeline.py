@@ -33,7 +33,6 @@ import time
 from typing import Any
 
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 import core
 import models.gpt as gpt
@@ -50,7 +49,7 @@ _CONFIGS = {
 
 def _microbatches(batch: dict, m: int) -> tuple[list[dict], list[float]]:
     """``batch`` in ``m`` row chunks (each its own storage) and their token shares."""
-    mbs = [pytree.tree_map(lambda x, i=i: x.chunk(m)[i].clone(), batch) for i in range(m)]
+    mbs = [core.tree.map(lambda x, i=i: x.chunk(m)[i].clone(), batch) for i in range(m)]
     total = default_token_count(batch)
     return mbs, [float(default_token_count(mb) / total) for mb in mbs]
 

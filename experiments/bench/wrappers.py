@@ -77,8 +77,7 @@ import shardings
 from experiments.bench import native_gpt
 from experiments.bench.tables import write_csv
 from shardings import PeakMemory, peak_memory
-from shardings.testing import tolerance
-from shardings.testing.tolerance import LOW_PRECISION_ULPS
+from shardings.testing import LOW_PRECISION_ULPS, tolerance
 
 
 class _Config(NamedTuple):

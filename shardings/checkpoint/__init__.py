@@ -30,14 +30,11 @@ Under ``shardings.simulate`` (one process, a fake process group) each tensor is 
 whole from the one process; the files are the same format, so such checkpoints load on real ranks
 and vice versa.
 
-The on-disk layer (manifest, file hashes and checks, the safe metadata reader) is in
-:mod:`shardings.checkpoint.files`.
+The on-disk side (manifest, hashes, the safe metadata reader) is in :mod:`shardings.checkpoint.files`;
+how tensors become what DCP writes and reads (whole on simulated ranks, shards on real ones, another pipeline
+stage's absent blocks skipped) in :mod:`shardings.checkpoint.tensors`.
 
 May import: every other subpackage but ``testing``.
-
-The on-disk side (manifest, hashes, the safe metadata reader) is in :mod:`shardings.checkpoint.files`;
-how tensors become what DCP writes and reads (whole on simulated ranks, shards on real ones, a pipeline
-stage's placeholders skipped) in :mod:`shardings.checkpoint.tensors`.
 """
 
 from __future__ import annotations
@@ -72,7 +69,7 @@ from shardings.checkpoint.files import (
     _write_manifest,
 )
 from shardings.checkpoint.files import _MetadataUnpickler as _MetadataUnpickler  # re-exported: tests use it here
-from shardings.checkpoint.tensors import empty_like, is_placeholder, place_like, split_state
+from shardings.checkpoint.tensors import empty_like, is_absent, place_like, split_state
 from shardings.runtime.compat import maybe_disable_local_tensor_mode
 
 __all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "latest", "load", "resume", "save"]
@@ -163,9 +160,9 @@ def save(
         _PENDING.pop(root).wait()
     tensors, values = split_state(state)
     described = {p: {"shape": list(t.shape), "dtype": _dtype_name(t)} for p, t in tensors.items()}
-    # pp on real processes: a rank holds its own stage's blocks, the others are placeholders. Each rank writes
+    # pp on real processes: a rank holds its own stage's blocks, the others are absent. Each rank writes
     # what it holds; the manifest lists every rank's tensors.
-    tensors = {p: t for p, t in tensors.items() if not is_placeholder(t)}
+    tensors = {p: t for p, t in tensors.items() if not is_absent(t)}
     if _distributed():
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, described)
@@ -334,7 +331,7 @@ def _load_verified(folder: str, saved: dict[str, Any], like: Any) -> tuple[Any, 
     tensors = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
     values = {p: x for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)}
     _check_like(saved, tensors, values, folder)
-    targets = {p: empty_like(x) for p, x in tensors.items() if not is_placeholder(x)}  # a placeholder stays one
+    targets = {p: empty_like(x) for p, x in tensors.items() if not is_absent(x)}  # an absent block stays so
     with maybe_disable_local_tensor_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:

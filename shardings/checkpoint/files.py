@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from shardings.runtime.simulate import simulated_world_size
+from shardings.runtime.simulate import simulated
 from shardings.spec.errors import sharding_error
 
 MANIFEST = "manifest.json"
@@ -47,7 +47,7 @@ def _error(problem: str, fix: str, path: str | None = None) -> CheckpointError:
 
 def _distributed() -> bool:
     """Real ranks (a process group that is not :func:`shardings.simulate`'s fake one)."""
-    return dist.is_available() and dist.is_initialized() and simulated_world_size() is None
+    return dist.is_available() and dist.is_initialized() and not simulated()
 
 
 def _dtype_name(t: torch.Tensor) -> str:

@@ -6,7 +6,7 @@
 * Loading (:func:`empty_like`, :func:`place_like`): the buffers DCP fills, in the target's layout on real
   ranks (DCP reads each rank's shards from whichever saved shards overlap them) and whole on simulated
   ranks, then laid out like the target.
-* ``pp`` on real processes (:func:`is_placeholder`): another stage's block on this rank is a placeholder;
+* ``pp`` on real processes (:func:`is_absent`): another stage's block on this rank is absent;
   it is neither written nor read.
 """
 
@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from core import tree
 from shardings.checkpoint.files import _error
 from shardings.runtime.compat import LocalTensor, maybe_disable_local_tensor_mode
-from shardings.runtime.simulate import simulated_world_size, unwrap
-from shardings.step.stage_state import is_placeholder
+from shardings.runtime.simulate import simulated, simulated_world_size, unwrap
+from shardings.step.ownership import is_absent
 
-__all__ = ["empty_like", "is_placeholder", "place_like", "split_state"]
+__all__ = ["empty_like", "is_absent", "place_like", "split_state"]
 
 
 def _whole(path: str, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def split_state(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     for key_path, leaf in tree.leaves_with_path(state):
         path = tree.keystr(key_path)
         if isinstance(leaf, torch.Tensor):
-            tensors[path] = _whole(path, leaf) if simulated_world_size() else leaf.detach()
+            tensors[path] = _whole(path, leaf) if simulated() else leaf.detach()
             continue
         try:
             json.dumps(leaf, allow_nan=True)
@@ -62,7 +62,7 @@ def split_state(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def empty_like(x: torch.Tensor) -> torch.Tensor:
-    if isinstance(x, DTensor) and not simulated_world_size():
+    if isinstance(x, DTensor) and not simulated():
         return torch.empty_like(x)
     with maybe_disable_local_tensor_mode():
         return torch.empty(x.shape, dtype=x.dtype)

@@ -44,11 +44,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from core import offload, tree
-from shardings.runtime.compat import LocalIntNode, LocalTensor, c10d_functional_op
+from shardings.runtime.compat import (
+    LocalIntNode,
+    LocalTensor,
+    TorchDispatchMode,
+    c10d_functional_op,
+    is_traceable_wrapper_subclass,
+    resolve_process_group,
+)
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import axis_of_group
 
@@ -73,7 +78,7 @@ def _nbytes(x: Any) -> int:
 def _group(arg: Any) -> dist.ProcessGroup:
     if isinstance(arg, torch.ScriptObject):
         return dist.ProcessGroup.unbox(arg)
-    return _resolve_process_group(arg) if isinstance(arg, str) else arg
+    return resolve_process_group(arg) if isinstance(arg, str) else arg
 
 
 def _sent(kind: str, n: int, full: int) -> Fraction:

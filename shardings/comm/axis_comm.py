@@ -18,9 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
-from shardings.runtime.compat import all_gather_single, maybe_run_for_local_tensor, reduce_scatter_single
+from shardings.runtime.compat import all_gather_single, funcol, maybe_run_for_local_tensor, reduce_scatter_single
 from shardings.spec.errors import sharding_error
 from shardings.spec.lower import rank_coords
 from shardings.spec.mesh import Mesh, register_group

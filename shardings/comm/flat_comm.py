@@ -15,12 +15,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import SequenceKey
 
-from shardings.runtime.compat import all_gather_single, enabled_local_tensor_mode, reduce_scatter_single
+from shardings.runtime.compat import (
+    DTensorSpec,
+    TensorMeta,
+    all_gather_single,
+    enabled_local_tensor_mode,
+    funcol,
+    pytree,
+    reduce_scatter_single,
+)
 
 __all__ = ["Comm", "ShardAt", "assemble", "buckets", "dtensor", "from_block", "launch_gather", "launch_reduce",
            "split_reduced", "unit_buckets", "unit_of", "wait"]
@@ -37,7 +42,7 @@ def unit_of(path: Sequence[Any]) -> tuple:
     (MappingKey(key='blocks'), SequenceKey(idx=0))
     """
     for k, entry in enumerate(path):
-        if isinstance(entry, SequenceKey):
+        if isinstance(entry, pytree.SequenceKey):
             return tuple(path[: k + 1])
     return ()
 

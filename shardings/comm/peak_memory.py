@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from shardings.runtime.compat import TorchDispatchMode, is_traceable_wrapper_subclass, pytree
 
 __all__ = ["PeakMemory", "peak_memory", "storages"]
 
@@ -67,7 +67,7 @@ class _Tracker(TorchDispatchMode):
         self.sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes] (a cell resize_ updates)
 
     def track(self, obj: object) -> None:
-        for t in tree_leaves(obj):
+        for t in pytree.tree_leaves(obj):
             if isinstance(t, torch.Tensor):
                 for st in storages(t):
                     if st not in self.sizes:

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from shardings.runtime.compat import OpSchema, OpStrategy, RuntimeSchemaInfo, expand_to_full_mesh_op_strategy
+
 # register_sharding's own machinery (torch.distributed.tensor.experimental), which has no way to
 # filter strategy combinations across mesh dims; the mask rule needs one
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 __all__ = ["attention_placements"]
 

@@ -1,14 +1,20 @@
 """Pipeline parallelism: a model's layers split into stages, microbatches scheduled across them.
 
 A model declares its :class:`Stages` (before the blocks, each block, after); :func:`split` assigns
-contiguous blocks to stages; a :class:`Schedule` (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, the
-zero-bubble ``zb_h1`` and ``zb_v``, or any list of actions per rank that :func:`check` accepts) says what each
-rank does in which order; :func:`run` executes it. ``docs/pipeline.md`` shows how to write your own.
+contiguous blocks to stages; a :class:`Schedule` (any of ``SCHEDULES``: ``gpipe``, ``one_f_one_b``,
+``interleaved_1f1b``, the zero-bubble ``zb_h1`` and ``zb_v``, each registered where it is defined with
+:func:`register_schedule`; or any list of actions per rank that :func:`check` accepts) says what each rank does
+in which order; :func:`run` executes it, on simulated or real ranks. A run's :func:`plan` makes these choices once
+(schedule, microbatches, split, who owns which block) for ``shardings.init`` and ``shardings.train_step``.
+``docs/pipeline.md`` shows how to write your own schedule.
+
+May import: ``spec``, ``runtime``, ``comm``, ``residency``, ``ops``.
 """
 
 from shardings.pipeline.check import check
 from shardings.pipeline.execute import Result, SavedActivations, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
+from shardings.pipeline.plan import Plan, plan, plan_for
 from shardings.pipeline.schedule import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
@@ -20,6 +26,8 @@ from shardings.pipeline.schedule import (
     one_f_one_b,
     program,
     register_schedule,
+    stages_per_rank,
+    timeline,
 )
 from shardings.pipeline.stages import Split, Stages, split
 from shardings.pipeline.wire import Message
@@ -30,6 +38,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Message",
+    "Plan",
     "Result",
     "SavedActivations",
     "Schedule",
@@ -42,10 +51,14 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
+    "plan",
+    "plan_for",
     "program",
     "register_schedule",
     "run",
     "split",
+    "stages_per_rank",
+    "timeline",
     "zb_h1",
     "zb_v",
 ]

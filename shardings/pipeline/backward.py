@@ -24,11 +24,11 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardings.runtime.compat import grad_from_edges
 
-__all__ = ["Deferred", "backward_input", "backward_weight"]
+__all__ = ["PendingWeightGrad", "backward_input", "backward_weight"]
 
 
 @dataclass
-class Deferred:
+class PendingWeightGrad:
     """What ``W`` needs: per group, the nodes to re-enter with their recorded gradients and its parameters."""
 
     groups: list[tuple[list[Any], list[int]]]  # ([node, ...], [index into params, ...])
@@ -78,7 +78,7 @@ def _groups(roots: list[Any], inputs: Sequence[torch.Tensor], params: Sequence[t
 
 def backward_input(outputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor],
                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor | None], Deferred]:
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
     """``B``: the gradients of ``inputs`` (``None`` where unused), and what ``backward_weight`` needs."""
     # an output that is a leaf is an input passed through (a carry's untouched part): autograd.grad handles it
     roots = list(dict.fromkeys(o.grad_fn for o in outputs if o.grad_fn is not None))
@@ -99,16 +99,16 @@ def backward_input(outputs: Sequence[torch.Tensor], cotangents: Sequence[torch.T
     finally:
         for h in handles:
             h.remove()
-    return grads, Deferred(groups, recorded)
+    return grads, PendingWeightGrad(groups, recorded)
 
 
-def backward_weight(deferred: Deferred, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+def backward_weight(pending: PendingWeightGrad, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """``W``: the gradients of ``params`` (``None`` where unused), from what ``backward_input`` recorded."""
     out: list[torch.Tensor | None] = [None] * len(params)
-    for nodes, indices in deferred.groups:
+    for nodes, indices in pending.groups:
         edges, grads = [], []
         for node in nodes:
-            for nr, g in enumerate(deferred.recorded.get(node, ())):
+            for nr, g in enumerate(pending.recorded.get(node, ())):
                 if g is not None:
                     edges.append(GradientEdge(node, nr))
                     grads.append(g)

@@ -1,10 +1,15 @@
-"""Run a pipeline schedule: every rank's actions, point-to-point messages passed in this process.
+"""Run a pipeline schedule: each rank's actions, point-to-point messages between the stages.
 
 :func:`run` executes a checked :class:`~shardings.pipeline.schedule.Schedule` for a model's
-:class:`~shardings.pipeline.stages.Stages` on microbatches. All ranks' programs run in this process
-(simulated ranks): ranks take turns, each running its actions until it waits on a receive whose
-message has not been sent; a send puts the message in an in-process mailbox (buffered, as a batched
-``isend``). So any valid schedule runs, and its results do not depend on the interleaving.
+:class:`~shardings.pipeline.stages.Stages` on microbatches, in one of two ways:
+
+* **Real processes** (a mesh given, outside ``shardings.simulate``): each process runs its own rank's
+  actions (its ``pp`` coordinate) and messages go over the ``pp`` process group
+  (:mod:`shardings.pipeline.wire`); every rank's timeline is gathered, so ``Result.bubble()`` measures idle time.
+* **Simulated ranks, or no mesh**: all ranks' programs run in this process. Ranks take turns, each running its
+  actions until it waits on a receive whose message has not been sent; a send puts the message in an
+  in-process mailbox (buffered, as a batched ``isend``). So any valid schedule runs, and its results do not
+  depend on the interleaving.
 
 * **F** of stage ``s`` runs its blocks on the received carry (stage 0: ``first`` on the microbatch)
   and keeps the autograd graph until **B**; the last stage's output is the microbatch's loss times its
@@ -33,7 +38,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
 from shardings.comm.accounting import recorded_as
 from shardings.comm.peak_memory import storages
@@ -42,6 +46,8 @@ from shardings.pipeline.check import check
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
 from shardings.pipeline.wire import Message, Wire, cached_templates
+from shardings.runtime.compat import pytree
+from shardings.runtime.simulate import simulated
 
 __all__ = ["Message", "Result", "SavedActivations", "Timed", "run"]
 
@@ -61,11 +67,13 @@ class Result:
     timeline: list[Timed]
     saved_peak: list[int]  # per rank: most bytes of activations saved for backward at once
     p2p: list[Message]
+    measured: bool = False  # the ranks ran concurrently (real processes): the timeline measures their idle time
 
     def bubble(self) -> list[float]:
         """Each rank's idle fraction: 1 − (its F, B and W time) / (first start to last end over all ranks).
 
-        Meaningful for real ranks (``run(..., mesh=)`` gathers every rank's timeline); simulated ranks take turns.
+        Meaningful where ``measured`` (real ranks: ``run`` gathers every rank's timeline); simulated ranks take
+        turns.
         """
         t0, t1 = min(t.start for t in self.timeline), max(t.end for t in self.timeline)
         busy = [0.0] * len(self.saved_peak)
@@ -154,7 +162,7 @@ class _Runner:
         self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, id(leaf)) -> sum over microbatches so far
         self.early: list[dict[int, list[Any]]] = [{} for _ in range(schedule.stages)]  # per stage: mb -> grads
         self.summed = [0] * schedule.stages  # per stage: microbatches added to self.grads
-        self.deferred: dict[tuple[int, int], Any] = {}  # (stage, mb) -> what W needs (split backward)
+        self.pending_w: dict[tuple[int, int], Any] = {}  # (stage, mb) -> what W needs (split backward)
         self.leaves = self._stage_leaves()
         self.saved = SavedActivations(schedule.pp, self.params)
         self.inputs: dict[tuple[int, int], Any] = {}  # (stage, mb) -> received carry
@@ -203,7 +211,7 @@ class _Runner:
         inputs = [] if s == 0 else [x for x in _tensors(carry) if x.requires_grad]
         outs, cots, leaves = [o for o, _ in pairs], [c for _, c in pairs], self.leaves[s]
         if self.schedule.split_backward:  # B: the carry's gradient now, W the parameters' later
-            in_grads, self.deferred[(s, mb)] = backward_input(outs, cots, inputs, leaves)
+            in_grads, self.pending_w[(s, mb)] = backward_input(outs, cots, inputs, leaves)
         else:
             grads = torch.autograd.grad(outs, inputs + leaves, cots, allow_unused=True)
             in_grads = grads[: len(inputs)]
@@ -215,7 +223,7 @@ class _Runner:
                 carry)
 
     def _w(self, rank: int, s: int, mb: int) -> None:
-        self._accumulate(s, mb, backward_weight(self.deferred.pop((s, mb)), self.leaves[s]))
+        self._accumulate(s, mb, backward_weight(self.pending_w.pop((s, mb)), self.leaves[s]))
 
     def _accumulate(self, s: int, mb: int, grads: Any) -> None:
         """Add a microbatch's gradients to stage ``s``'s sums in microbatch order (an early one waits)."""
@@ -293,11 +301,12 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
         weights: Sequence[float], *, mesh: Any = None, carry_layout: Any = None) -> Result:
     """Run ``schedule``; ``weights[i]``: microbatch ``i``'s token share (module docstring).
 
-    Without ``mesh``, every rank runs in this process (simulated). With a :class:`~shardings.Mesh` that has a
-    ``pp`` axis, on real processes: this process runs its own rank's actions (its ``pp`` coordinate) and
-    messages go over the ``pp`` process group (:mod:`shardings.pipeline.wire`). The loss is then the last
-    stage's (every rank gets it), the timeline holds every rank's actions, and ``grads`` are this rank's:
-    its stages' parameters, zeros elsewhere. ``carry_layout = (plain_stages, placements, stage_mesh)`` says how a
+    With a :class:`~shardings.Mesh` that has a ``pp`` axis, on real processes: this process runs its own rank's
+    actions (its ``pp`` coordinate) and messages go over the ``pp`` process group
+    (:mod:`shardings.pipeline.wire`). The loss is then the last stage's (every rank gets it), the timeline holds
+    every rank's actions, and ``grads`` are this rank's: its stages' parameters, zeros elsewhere. Without a mesh,
+    or on simulated ranks (``shardings.simulate``), every rank runs in this process.
+    ``carry_layout = (plain_stages, placements, stage_mesh)`` says how a
     carry of DTensors travels: the stage functions without their layout context (for the meta-device run that
     sizes the messages), ``placements(carry) -> [placements per leaf]`` and the stage mesh's ``DeviceMesh``.
 
@@ -311,7 +320,7 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
         raise ValueError(f"pipeline run: schedule for {schedule.stages} stages, m={schedule.microbatches}, but a split "
                          f"into {split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. "
                          "Fix: build the schedule and the split for the same pp and pass one weight per microbatch.")
-    if mesh is not None:
+    if mesh is not None and schedule.pp > 1 and not simulated():  # one pipeline rank: every stage here
         return _run_rank(schedule, stages, split, params, microbatches, weights, mesh, carry_layout)
     runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox(schedule))
     pending = [list(actions) for actions in schedule.ranks]
@@ -343,4 +352,4 @@ def _run_rank(schedule: Schedule, stages: Stages, split: Split, params: Any, mic
     dist.all_gather_object(every, (result.timeline, result.saved_peak[rank], loss.detach().cpu()), group=group)
     loss = every[schedule.rank_of(schedule.stages - 1)][2].to(loss.device)  # the last stage's rank holds it
     return dataclasses.replace(result, loss=loss, timeline=[t for tl, _, _ in every for t in tl],
-                               saved_peak=[peak for _, peak, _ in every])
+                               saved_peak=[peak for _, peak, _ in every], measured=True)

@@ -294,12 +294,14 @@ def register_schedule(name: str, builder: Builder | None = None, *,
     return add if builder is None else add(builder)
 
 
-def stages_per_rank(name: str, virtual_stages: int | None = None) -> int:
-    """The stages per rank of schedule ``name`` run with ``virtual_stages`` (checked; no schedule is built).
+def stages_per_rank(name: str | None, virtual_stages: int | None = None) -> int:
+    """The stages per rank of schedule ``name`` (``None``: :data:`DEFAULT_SCHEDULE`) run with ``virtual_stages``
+    (checked; no schedule is built).
 
     Raises:
         ScheduleError: an unknown name, or ``virtual_stages`` for a schedule whose count is fixed.
     """
+    name = DEFAULT_SCHEDULE if name is None else name
     if name not in _BUILDERS:
         raise sharding_error(f"unknown pipeline schedule {name!r}", fix=f"use one of {sorted(_BUILDERS)}",
                              cls=ScheduleError)
@@ -316,8 +318,9 @@ def stages_per_rank(name: str, virtual_stages: int | None = None) -> int:
     return fixed
 
 
-def build(name: str, pp: int, microbatches: int, *, virtual_stages: int | None = None) -> Schedule:
-    """The schedule ``name`` (a key of ``SCHEDULES``) for ``pp`` ranks and ``microbatches`` microbatches.
+def build(name: str | None, pp: int, microbatches: int, *, virtual_stages: int | None = None) -> Schedule:
+    """The schedule ``name`` (a key of ``SCHEDULES``; ``None``: :data:`DEFAULT_SCHEDULE`) for ``pp`` ranks and
+    ``microbatches`` microbatches.
 
     Args:
         virtual_stages: chunks of the model per rank, for a schedule registered with ``stages_per_rank=None``
@@ -330,6 +333,7 @@ def build(name: str, pp: int, microbatches: int, *, virtual_stages: int | None =
     6
     """
     v = stages_per_rank(name, virtual_stages)
+    name = DEFAULT_SCHEDULE if name is None else name
     if _STAGES_PER_RANK[name] is None:
         return _BUILDERS[name](pp, microbatches, virtual_stages=v)
     return _BUILDERS[name](pp, microbatches)

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from shardings.runtime.compat import pytree
 
 __all__ = ["Split", "Stages", "block_index", "split"]
 

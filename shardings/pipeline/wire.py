@@ -25,11 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils import _pytree as pytree
 
 from shardings.pipeline.schedule import Schedule
 from shardings.pipeline.stages import Split, Stages
+from shardings.runtime.compat import compute_local_shape_and_global_offset, pytree
 
 __all__ = ["Message", "Template", "Wire", "cached_templates", "templates"]
 

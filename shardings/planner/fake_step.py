@@ -33,13 +33,17 @@ import torch
 import torch.distributed as dist
 import torch.utils.flop_counter as flop_counter
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import core
 from core import deferred, tree
 from shardings.comm.accounting import comms
 from shardings.comm.peak_memory import peak_memory
-from shardings.runtime.compat import FakeStore, FakeTensorMode, compute_local_shape_and_global_offset
+from shardings.runtime.compat import (
+    FakeStore,
+    FakeTensorMode,
+    TorchDispatchMode,
+    compute_local_shape_and_global_offset,
+)
 from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, _clear_device_meshes

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from shardings.comm import flat_comm as fc
 from shardings.residency.gather_params import Regather, active, to_compute
 from shardings.residency.lazy_params import Gathers
+from shardings.runtime.compat import funcol
 
 __all__ = ["gather"]
 

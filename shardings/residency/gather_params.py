@@ -4,7 +4,8 @@ for both execution paths.
 When a layout stores a parameter sharded but computes with it gathered, autograd would keep every
 gathered weight saved for backward, so each rank would hold the full parameters until backward ends
 — DP's memory. Instead, while the loss runs, any tensor autograd saves that *is* (or is a view of) a
-gathered parameter is stored as a handle: (its bucket, its place in the bucket, the view's geometry).
+gathered parameter, or of a gathered DTensor's local block (what ``shard_map`` hands its function: the
+experts of ``zero3+ep``), is stored as a handle: (its bucket, its place in the bucket, the view's geometry).
 In backward the handle gathers the whole bucket again (one collective), takes the same view, and
 launches the gather of the bucket backward reaches next — the reverse of the order autograd first
 saved the buckets in, which is the order backward visits them. The re-gathered bucket is held until
@@ -41,17 +42,19 @@ class _Bucket:
 
 
 class _Handle:
-    """What autograd holds instead of a gathered parameter (or a view of one)."""
+    """What autograd holds instead of a gathered parameter (or a view of one, or of its local block)."""
 
-    __slots__ = ("bucket", "geometry", "pos", "view")
+    __slots__ = ("bucket", "geometry", "local", "pos", "view")
 
-    def __init__(self, bucket: int, pos: int, t: torch.Tensor):
-        self.bucket, self.pos = bucket, pos
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        self.geometry = (local.size(), local.stride(), local.storage_offset())
+    def __init__(self, bucket: int, pos: int, t: torch.Tensor, local: bool = False):
+        self.bucket, self.pos, self.local = bucket, pos, local
+        block = t._local_tensor if isinstance(t, DTensor) else t
+        self.geometry = (block.size(), block.stride(), block.storage_offset())
         self.view = (t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
 
     def rebuild(self, full: torch.Tensor) -> torch.Tensor:
+        if self.local:  # this rank's block of a gathered DTensor (what shard_map hands its function)
+            return full._local_tensor.as_strided(*self.geometry)
         if self.view is None:
             return full.as_strided(*self.geometry)
         local = full._local_tensor.as_strided(*self.geometry)
@@ -64,7 +67,8 @@ class Regather:
 
     def __init__(self) -> None:
         self.buckets: list[_Bucket] = []
-        self.tensors: dict[int, tuple[weakref.ref, int, int]] = {}  # id(gathered tensor) -> (ref, bucket, pos)
+        # id(gathered tensor) -> (ref, bucket, pos, whether it is a gathered DTensor's local block)
+        self.tensors: dict[int, tuple[weakref.ref, int, int, bool]] = {}
         self.order: list[int] = []  # buckets in reverse first-save order: backward's order
 
     def add(self, fulls: Sequence[torch.Tensor], launch: Callable[[], Any],
@@ -76,7 +80,10 @@ class Regather:
         for pos, f in enumerate(fulls):
             base = f._base if f._base is not None else f  # a one-leaf bucket's may be a view of the gathered buffer
             for t in {id(f): f, id(base): base}.values():
-                self.tensors[id(t)] = (weakref.ref(t), k, pos)
+                self.tensors[id(t)] = (weakref.ref(t), k, pos, False)
+            block = f._local_tensor if isinstance(f, DTensor) else None
+            if block is not None and block._base is None:  # shard_map's functions save views of it (experts)
+                self.tensors[id(block)] = (weakref.ref(block), k, pos, True)
         return k
 
     def release(self, k: int) -> None:
@@ -91,7 +98,7 @@ class Regather:
             return t
         if hit[1] not in self.order:
             self.order.insert(0, hit[1])
-        return _Handle(hit[1], hit[2], t)
+        return _Handle(hit[1], hit[2], t, local=hit[3])
 
     def unpack(self, saved: Any) -> torch.Tensor:
         return saved.rebuild(self.gathered(saved.bucket)[saved.pos]) if isinstance(saved, _Handle) else saved

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from shardings.comm import flat_comm as fc
+from shardings.runtime.compat import pytree
 from shardings.spec.placeholder import Placeholder, resolve
 
 __all__ = ["Gathers", "Lazy", "resolve"]
@@ -113,7 +113,7 @@ class Lazy(Placeholder):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        args, kwargs = tree_map_only(Lazy, resolve, (args, kwargs))
+        args, kwargs = pytree.tree_map_only(Lazy, resolve, (args, kwargs))
         return func(*args, **kwargs)
 
     @classmethod

@@ -7,7 +7,10 @@ private names that torch 2.13 has (2.11 lacks ``rank_map``). Where any is missin
 false, ``simulate`` raises :class:`SimulationUnavailable` naming both versions, and the stand-ins below keep
 every other path as it was: with no simulated ranks there is no ``LocalTensor`` and no ``LocalTensorMode``.
 
-Other modules import these names from here, never from ``torch.distributed._local_tensor`` directly.
+Every other private torch name shardlab uses (DTensor's internals, the dispatch-mode base, the pytree module
+``core.tree`` wraps, functional collectives) is imported here too, and from here everywhere else
+(``tests/test_architecture.py`` checks it): a torch release that moves one is fixed in this file. Every layer of
+``shardings`` may import this module; it imports nothing of ``shardings`` but ``spec.errors``.
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without data: the planner's steps (torch >= 2.11)
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from shardings.spec.errors import sharding_error
 
@@ -30,22 +41,35 @@ __all__ = [
     "MISSING",
     "SIMULATION_MODULES",
     "SIMULATION_TORCH",
+    "DTensorSpec",
     "FakeStore",
     "FakeTensorMode",
     "LocalIntNode",
     "LocalTensor",
     "LocalTensorMode",
+    "OpSchema",
+    "OpStrategy",
+    "RuntimeSchemaInfo",
     "SimulationUnavailable",
+    "StridedShard",
+    "TensorMeta",
+    "TorchDispatchMode",
     "all_gather_single",
     "c10d_functional_op",
+    "clear_sharding_prop_cache",
     "compute_local_shape_and_global_offset",
     "enabled_local_tensor_mode",
+    "expand_to_full_mesh_op_strategy",
+    "funcol",
     "grad_from_edges",
+    "is_traceable_wrapper_subclass",
     "maybe_disable_local_tensor_mode",
     "maybe_run_for_local_tensor",
+    "pytree",
     "rank_map",
     "reduce_scatter_single",
     "require_simulation",
+    "resolve_process_group",
     "unavailable",
 ]
 

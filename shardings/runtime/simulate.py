@@ -18,7 +18,7 @@ from shardings.runtime.compat import FakeStore, LocalTensor, LocalTensorMode, re
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
 
-__all__ = ["per_rank", "simulate", "simulated_world_size", "unwrap"]
+__all__ = ["per_rank", "simulate", "simulated", "simulated_world_size", "unwrap"]
 
 _ACTIVE: list[int] = []
 
@@ -26,6 +26,15 @@ _ACTIVE: list[int] = []
 def simulated_world_size() -> int | None:
     """The world size of the innermost active :func:`simulate`, or ``None`` outside one."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def simulated() -> bool:
+    """Whether the ranks are simulated (inside :func:`simulate`: every rank in this process), not real processes.
+
+    The one place that question is answered: a pipeline runs every stage here when it is true, and each rank
+    holds every parameter; checkpoints gather whole tensors.
+    """
+    return simulated_world_size() is not None
 
 
 @contextlib.contextmanager

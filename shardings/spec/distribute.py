@@ -1,4 +1,5 @@
-"""Trees of tensors onto a mesh and back: ``shard``, ``gather``, ``reshard``, ``spec_of``, ``partial_axes``.
+"""Trees of tensors onto a mesh and back: ``shard``, ``gather``, ``reshard``, ``spec_of``, ``partial_axes``, and one
+tensor built block by block on the ranks that hold it (``from_callback``).
 
 ``specs`` arguments are *prefix trees* of the value tree: one ``P`` (or ``None``, replicated) may
 stand for a whole subtree, e.g. ``{"embed": P("tp"), "blocks": None}``.
@@ -6,17 +7,19 @@ stand for a whole subtree, e.g. ``{"embed": P("tp"), "blocks": None}``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import tree
+from shardings.runtime.compat import rank_map
 from shardings.spec.errors import sharding_error
-from shardings.spec.lower import from_placements, mesh_of, to_placements
+from shardings.spec.lower import coords_of_rank, from_placements, local_block, mesh_of, to_placements
 from shardings.spec.mesh import Mesh, P
 
-__all__ = ["gather", "partial_axes", "reshard", "shard", "spec_of"]
+__all__ = ["from_callback", "gather", "partial_axes", "reshard", "shard", "spec_of"]
 
 
 def _is_spec(s: Any) -> bool:
@@ -132,6 +135,26 @@ def shard(values: Any, specs: Any, mesh: Mesh) -> Any:
             )
         out.append(distribute_tensor(leaf, device_mesh, placements, src_data_rank=None))
     return _unflatten_like(values, out)
+
+
+def from_callback(shape: Sequence[int], spec: P, mesh: Mesh, block: Callable[[tuple[slice, ...]], torch.Tensor]
+                  ) -> DTensor:
+    """A DTensor of ``shape`` laid out by ``spec`` whose every rank calls ``block(slices)`` for its own block only
+    (JAX's ``make_array_from_callback``): no rank builds or holds another rank's part. ``slices`` index the global
+    tensor; on simulated ranks each one gets its own call.
+
+    >>> with simulate(2):
+    ...     x = from_callback((4, 2), P("dp"), Mesh(dp=2), lambda s: torch.arange(8.0).reshape(4, 2)[s])
+    ...     gather(x)
+    tensor([[0., 1.],
+            [2., 3.],
+            [4., 5.],
+            [6., 7.]])
+    """
+    shape = tuple(shape)
+    local = rank_map(lambda rank: block(local_block(shape, spec, mesh, coords_of_rank(rank, mesh))))
+    return DTensor.from_local(local, mesh.device_mesh, to_placements(spec, mesh, len(shape)), run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
 def gather(values: Any) -> Any:

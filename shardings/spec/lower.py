@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from shardings.runtime.compat import StridedShard
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, P, mesh_of_device_mesh, validate_spec
 
@@ -101,7 +102,7 @@ def to_placements(
             )
         for name, factor in factors.items():
             i = mesh.device_axes.index(name)
-            placements[i] = Shard(dim) if factor == 1 else _StridedShard(dim, split_factor=factor)
+            placements[i] = Shard(dim) if factor == 1 else StridedShard(dim, split_factor=factor)
     return tuple(placements)
 
 
@@ -155,7 +156,7 @@ def from_placements(placements: Sequence[Placement], mesh: Mesh) -> tuple[P, dic
     factors: dict[int, dict[int, int]] = {}  # tensor dim -> mesh dim -> split factor
     partial: dict[str, str] = {}
     for m, (name, p) in enumerate(zip(mesh.device_axes, placements, strict=True)):
-        if isinstance(p, _StridedShard):
+        if isinstance(p, StridedShard):
             factors.setdefault(p.dim, {})[m] = int(p.split_factor)
         elif isinstance(p, Shard):
             factors.setdefault(p.dim, {})[m] = 1

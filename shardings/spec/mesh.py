@@ -14,6 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardings.runtime.compat import clear_sharding_prop_cache
 from shardings.spec.errors import ShardingError, sharding_error
 
 __all__ = ["Mesh", "NamedSharding", "P", "axis_of_group", "register_group", "validate_spec"]
@@ -35,9 +36,7 @@ def _clear_device_meshes() -> None:
     _GROUP_AXES.clear()
     # DTensor's sharding-propagation caches key on equal (not identical) meshes: left alone, the next runtime's
     # ops would hand out output specs holding this runtime's DeviceMesh, and plans keyed on it split wrongly
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
+    clear_sharding_prop_cache()
 
 
 def register_group(group_name: str, axis_label: str) -> None:

@@ -12,9 +12,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch.utils._pytree as _pt
-
 from core import tree as pytree
+from shardings.runtime.compat import pytree as torch_pytree
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Entry, Mesh, P
 
@@ -267,11 +266,11 @@ def logical_to_specs(names_tree: Any, rules: Rules, mesh: Mesh) -> Any:
 
 
 def _key_str(key: Any) -> str:
-    if isinstance(key, _pt.MappingKey):
+    if isinstance(key, torch_pytree.MappingKey):
         return str(key.key)
-    if isinstance(key, _pt.SequenceKey):
+    if isinstance(key, torch_pytree.SequenceKey):
         return str(key.idx)
-    if isinstance(key, _pt.GetAttrKey):
+    if isinstance(key, torch_pytree.GetAttrKey):
         return key.name
     return str(key)
 

@@ -1,6 +1,8 @@
-"""The train step: sharded ``init`` (``initialize``), ``train_step`` and its DTensor path (``train_step``), the
-local path for layouts that split only the batch (``local_step``), and the whole-step picture
+"""The train step: sharded ``init`` (``initialize``), ``train_step`` (``train_step``: it chooses among three
+gradient paths from data — ``local_step`` for layouts that split only the batch, ``pipeline_path`` for a pipelined
+layout, ``dtensor_path`` otherwise — and shares the ``update`` after them), which leaves a process holds and
+updates (``ownership``), precision casts (``mixed``), batch placement (``batching``), and the whole-step picture
 (``layout_view.describe``).
 
-May import: everything above it (``spec``, ``runtime``, ``comm``, ``residency``, ``ops``).
+May import: everything above it (``spec``, ``runtime``, ``comm``, ``residency``, ``ops``, ``pipeline``).
 """

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from core import deferred, tree
 from shardings.comm import flat_comm
-from shardings.pipeline.stages import block_index, split
+from shardings.pipeline import Plan, Schedule, plan_for
 from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.simulate import unwrap
 from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import is_names, logical_to_spec
+from shardings.step.ownership import absent, ownership
 
 __all__ = ["init", "param_specs"]
 
@@ -80,34 +79,6 @@ def param_specs(axes: Any, params_like: Any, layout: Any, mesh: Mesh, role: str 
     return tree.unflatten(params_def, specs)
 
 
-def _own_blocks(recipes: Any, mesh: Mesh, stage_sizes: list[int] | None, schedule: Any) -> set[int] | None:
-    """The blocks this process's pipeline stages run (real processes), or ``None``: every block (simulated)."""
-    if dist.get_backend() == "fake" or mesh.axis_size("pp") == 1:
-        return None
-    from shardings.pipeline import Schedule, build
-
-    pp = mesh.axis_size("pp")
-    if not isinstance(schedule, Schedule):  # the placement of a named schedule does not depend on microbatches
-        name, v = (schedule, None) if isinstance(schedule, str) or schedule is None else schedule
-        schedule = build(name or "1f1b", pp, pp, virtual_stages=v)
-    where = split(recipes, schedule.stages, sizes=stage_sizes)
-    rank = mesh.device_mesh.get_local_rank("pp")
-    return {b for s, blocks in enumerate(where.ranges) if schedule.rank_of(s) == rank for b in blocks}
-
-
-def _is_mine(path: Any, mine: set[int] | None) -> bool:
-    block = block_index(path)
-    return mine is None or block is None or block in mine
-
-
-def placeholder(shape: Sequence[int], dtype: torch.dtype, mesh: Mesh, placements: Sequence[Any]) -> DTensor:
-    """A DTensor of ``shape`` laid out by ``placements`` whose local block is on the meta device: it holds no memory."""
-    dm = mesh.device_mesh
-    local = compute_local_shape_and_global_offset(torch.Size(shape), dm, placements)[0]
-    return DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), dm, placements, run_check=False,
-                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-
 def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
     if isinstance(recipe, torch.Tensor):  # materialized by the init function itself (e.g. an nn.Module's weights)
         full = recipe.detach()
@@ -141,8 +112,8 @@ def _place(recipe: Any, spec: P, mesh: Mesh, path: Any) -> DTensor:
 
 def init(
     init_fn: Callable[[Any, Any], Any], key: torch.Tensor, cfg: Any, *, axes: Any, layout: Any, mesh: Mesh,
-    stage_sizes: list[int] | None = None,
-    schedule: Any = None,
+    plan: Plan | None = None, stage_sizes: list[int] | None = None, schedule: str | Schedule | None = None,
+    virtual_stages: int | None = None,
 ) -> Any:
     """Initialize parameters directly in their sharded storage layout.
 
@@ -157,12 +128,12 @@ def init(
         axes: a tree like the params, each leaf a tuple of logical names.
         layout: a ``Layout`` or preset string; its ``params`` role decides storage.
         mesh: the mesh.
-        stage_sizes: with ``pp``: blocks per stage, as given to ``train_step`` (default: balanced by
-            parameter count). On real processes each rank then materializes only its own stage's blocks
-            (``params["blocks"][i]``); the others are placeholders (meta-device DTensors of the right
-            shape and layout, holding no memory). Simulated ranks materialize every block.
-        schedule: with ``pp`` on real processes, where the stages live: the ``Schedule`` given to ``train_step``,
-            or its name, or ``(name, virtual_stages)`` (``("interleaved_1f1b", 2)``); default one stage per rank.
+        plan: with ``pp``: the run's :func:`shardings.pipeline.plan`, as given to ``train_step``. On real
+            processes each rank then materializes only the blocks its stages run (``params["blocks"][i]``); the
+            others are absent (meta-device DTensors of the right shape and layout, holding no memory).
+            Simulated ranks materialize every block.
+        stage_sizes, schedule, virtual_stages: with ``pp`` and no ``plan``: what makes one (the same as given to
+            ``train_step``; the placement of a named schedule's stages does not depend on its microbatches).
 
     Returns:
         The params tree with DTensor leaves.
@@ -173,19 +144,25 @@ def init(
     """
     layout = layouts.get(layout)
     layouts.validate(layout, mesh)
-    full_mesh = mesh
-    if "pp" in (layout.name or "").split("+"):  # pipeline stages: params live on the stage mesh
-        mesh = mesh.without("pp")
-    mesh.device_mesh  # noqa: B018  (no process group: shardlab's error saying what to do, before torch's)
+    stage_mesh = mesh.without("pp") if layout.pipelined else mesh  # pipeline stages: params live on the stage mesh
+    stage_mesh.device_mesh  # noqa: B018  (no process group: shardlab's error saying what to do, before torch's)
+    if isinstance(schedule, tuple):
+        raise sharding_error("init(schedule=(name, virtual_stages)) is gone", mesh=mesh, cls=TypeError,
+                             fix="pass plan=shardings.pipeline.plan(...), or schedule=name, virtual_stages=v")
     # Recipes are built from a plain key: under simulate a key made there is a LocalTensor, and every
     # block drawn from it would then be computed once per simulated rank (each rank doing all ranks' work).
     with maybe_disable_local_tensor_mode(), deferred.deferred():
         recipes = init_fn(unwrap(key), cfg)
-    specs = param_specs(axes, recipes, layout, mesh)
-    mine = _own_blocks(recipes, full_mesh, stage_sizes, schedule) if mesh is not full_mesh else None
-    params = tree.map_with_path(lambda path, r, s: _place(r, s, mesh, path) if _is_mine(path, mine)
-                                else placeholder(r.shape, r.dtype, mesh, lower.to_placements(s, mesh, len(r.shape))),
-                                recipes, specs)
+    specs = param_specs(axes, recipes, layout, stage_mesh)
+    plan = plan_for(layout, mesh, recipes, plan, schedule=schedule, virtual_stages=virtual_stages,
+                    stage_sizes=stage_sizes)
+    held = set(ownership(plan, recipes, mesh).held(len(tree.leaves(recipes))))
+    leaves, treedef = tree.flatten_with_path(recipes)
+    params = tree.unflatten(treedef, [
+        _place(r, s, stage_mesh, path) if i in held
+        else absent(r.shape, r.dtype, stage_mesh, lower.to_placements(s, stage_mesh, len(r.shape)))
+        for i, ((path, r), s) in enumerate(zip(leaves, tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))))
+    ])
     # Remembered so train_step can plan every role without being handed the axes again.
     for p, names in zip(tree.leaves(params), tree.leaves(axes, is_leaf=is_names)):
         p._logical_names = tuple(names)

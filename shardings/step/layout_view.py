@@ -16,13 +16,11 @@ from typing import Any
 
 from core import tree
 from shardings.spec import layouts
-from shardings.spec.layouts import Layout
+from shardings.spec.layouts import PARAM_ROLES, Layout
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import is_names, logical_to_spec
 
-__all__ = ["ROLES", "GroupRow", "LayoutView", "describe", "rules_table"]
-
-ROLES = ("params", "compute", "grads", "opt_state")
+__all__ = ["GroupRow", "LayoutView", "describe", "rules_table"]
 _TITLES = {"params": "storage", "compute": "compute", "grads": "grads", "opt_state": "opt state"}
 
 
@@ -48,8 +46,8 @@ class LayoutView:
 
     def text(self) -> str:
         """The view as a text table: one line per parameter group, then the collectives."""
-        cells = [[r.group, str(r.shape)] + [_cell(r.specs[k], r.shares[k]) for k in ROLES] for r in self.rows]
-        head = ["param", "shape"] + [_TITLES[k] for k in ROLES]
+        cells = [[r.group, str(r.shape)] + [_cell(r.specs[k], r.shares[k]) for k in PARAM_ROLES] for r in self.rows]
+        head = ["param", "shape"] + [_TITLES[k] for k in PARAM_ROLES]
         widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
         line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
         out = [f"layout {self.layout!r} on {self.mesh!r} ({self.mesh.size} ranks): spec and share each rank holds",
@@ -122,14 +120,14 @@ def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any
         if key not in names:
             raise ValueError(f"describe: no logical names for the parameter at {key}. Fix: give axes the "
                              f"same tree structure as params (e.g. models.gpt.axes(cfg)).")
-        specs = tuple(logical_to_spec(names[key], layout.role(role), mesh, path=key) for role in ROLES)
+        specs = tuple(logical_to_spec(names[key], layout.role(role), mesh, path=key) for role in PARAM_ROLES)
         name, indices = _group_of(key)
         groups.setdefault((name, tuple(x.shape), specs), []).append(indices)
     rows = []
     for (name, shape, specs), indices in groups.items():
         shares = {role: 1 / mesh.axis_size(tuple(a for e in s for a in ((e,) if isinstance(e, str) else e or ())))
-                  for role, s in zip(ROLES, specs)}
-        rows.append(GroupRow(_label(name, indices), shape, len(indices), dict(zip(ROLES, specs)), shares))
+                  for role, s in zip(PARAM_ROLES, specs)}
+        rows.append(GroupRow(_label(name, indices), shape, len(indices), dict(zip(PARAM_ROLES, specs)), shares))
     comm_rows = comm.rows() if hasattr(comm, "rows") else list(comm or [])
     return LayoutView(layout.name or repr(layout), mesh, rows, comm_rows)
 
@@ -148,7 +146,8 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     Rows are logical names, columns presets; a cell lists, per group of roles (S storage, C compute,
     G grads, O optimizer state, B batch, A activations), the mesh axes the name goes to — ``a | b``
     when ``b`` is the fallback taken if another dim of the tensor already holds ``a``. Empty: the
-    preset leaves the name alone (replicated, unless another preset of the composition maps it).
+    preset leaves the name alone (replicated, unless another preset of the composition maps it); every
+    logical name the models use has a row, so one no preset maps (``head_dim``) shows as never split.
 
     >>> print(rules_table(("dp",)).splitlines()[2])
     | `batch` | BA→(dp,fsdp) |
@@ -157,7 +156,8 @@ def rules_table(presets: tuple[str, ...] | None = None) -> str:
     # presets without rules (offload_*: they move a role to host memory, not a name to an axis) have no column
     presets = presets or tuple(p for p, t in tables.items() if any(getattr(t, r).names for r in _ROLE_LETTERS))
     names = list(dict.fromkeys(n for p in presets for role in _ROLE_LETTERS for n in getattr(tables[p], role).names))
-    names = [n for n in layouts.LOGICAL_NAMES if n in names] + [n for n in names if n not in layouts.LOGICAL_NAMES]
+    # every logical name has a row (one no preset maps: an empty row), then the presets' own names
+    names = [*layouts.LOGICAL_NAMES, *(n for n in names if n not in layouts.LOGICAL_NAMES)]
     lines = ["| name | " + " | ".join(f"`{p}`" for p in presets) + " |", "|---|" + "---|" * len(presets)]
     for name in names:
         cells = []

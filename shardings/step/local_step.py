@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from core import optim, tree
@@ -38,6 +37,7 @@ from shardings.comm import flat_comm as fc
 from shardings.residency import offload as host
 from shardings.residency.gather_params import Regather
 from shardings.residency.lazy_params import Gathers
+from shardings.runtime.compat import funcol
 from shardings.spec.layouts import LOGICAL_NAMES, Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.rules import logical_to_spec

@@ -22,10 +22,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from shardings.comm import flat_comm as fc
+from shardings.runtime.compat import funcol
 
 __all__ = ["Cast", "Scaled", "finite", "unscale"]
 
@@ -74,7 +74,7 @@ def finite(mesh: Any, grads: Sequence[torch.Tensor]) -> bool:
     did, so sharded gradients (tp, ZeRO) whose bad block lives on one rank still skip on all.
     """
     blocks = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    blocks = [b for b in blocks if b.device.type != "meta"]  # another pipeline stage's (a placeholder)
+    blocks = [b for b in blocks if b.device.type != "meta"]  # another pipeline stage's (absent here)
     bad = torch.zeros((), dtype=torch.float32)
     if blocks:
         # sum of (x * 0) is NaN exactly when some x is inf or NaN; one foreach pass per dtype

@@ -3,17 +3,21 @@
 One step, for a layout and a mesh:
 
 1. The batch is placed by the ``batch`` rules (each data-parallel rank keeps its rows).
-2. Parameters go from ``params`` (storage) to ``compute`` placements: for ZeRO-3 an all-gather,
-   re-gathered in backward rather than kept (``gather_params``).
-3. ``loss_fn`` runs under ``use(mesh, layout)``, so its ``constrain`` calls resolve. Gradients of
-   replicated parameters come out ``Partial`` (unreduced).
-4. Gradients are reduced straight into the ``opt_state`` placements — replicated there: an
-   all-reduce (DP; one per bucket of flattened gradients, ``shardings.comm.buckets``); sharded there: a
-   reduce-scatter (ZeRO). A ``grads`` role that is sharded means "never hold full gradients":
-   each gradient is reduced as soon as backward produces it.
-   Otherwise gradients stay ``Partial`` across accumulation microbatches and are reduced once.
-5. The optimizer updates in the ``opt_state`` layout; new parameters go back to storage
-   (an all-gather of the updated shards for ZeRO-1/2).
+2. Gradients come from one of three paths, chosen from data, not from names:
+
+   - **local** (:mod:`shardings.step.local_step`) when the layout splits only the batch (``dp``, ZeRO, ``hsdp``:
+     ``local_step.plan`` finds no model-parallel axis): the loss on plain local tensors, collectives bucketed
+     and overlapped with backward, as DDP and FSDP do;
+   - **pipeline** (:mod:`shardings.step.pipeline_path`) when the layout pipelines the blocks
+     (``Layout.pipelined``): the pipeline plan's schedule over its stages, the other presets in each stage;
+   - **DTensor** (:mod:`shardings.step.dtensor_path`) otherwise: the loss on DTensors under
+     ``use(mesh, layout)``, parameters gathered from ``params`` (storage) to ``compute`` placements.
+
+   Either way the gradients arrive reduced into the ``opt_state`` placements (replicated there: an all-reduce;
+   sharded there: a reduce-scatter).
+3. The update is shared (:mod:`shardings.step.update`): clipping to the global norm, the optimizer in the
+   ``opt_state`` layout on the leaves this process holds (:mod:`shardings.step.ownership`), new parameters back
+   to storage (an all-gather of the updated shards for ZeRO-1/2); under fp16 a step with an inf is skipped.
 
 The loss is the mean over the global batch's tokens, under any data-parallel or accumulation split:
 each microbatch's mean is weighted by its share of the step's tokens.
@@ -32,20 +36,17 @@ from torch.distributed.tensor import DTensor
 import core
 from core import tree
 from shardings.comm import accounting, buckets, flat_comm
-from shardings.ops.module_tp import dtensor_errors
-from shardings.residency import gather_buckets, offload
-from shardings.residency.gather_params import regather_in_backward
+from shardings.pipeline import Plan, Schedule, Split, Stages, plan_for
+from shardings.residency import offload
 from shardings.runtime.simulate import unwrap
 from shardings.spec import layouts, lower
-from shardings.spec.context import use
 from shardings.spec.errors import sharding_error
+from shardings.spec.layouts import PARAM_ROLES
 from shardings.spec.mesh import Mesh, P
-from shardings.step import batching, local_step, mixed
+from shardings.step import batching, dtensor_path, local_step, mixed, ownership, pipeline_path, update
 from shardings.step.initialize import param_specs
 
-__all__ = ["TrainStep", "default_token_count", "train_step"]
-
-_ROLES = ("params", "compute", "grads", "opt_state")
+__all__ = ["ParamPlan", "TrainStep", "default_token_count", "train_step"]
 
 
 def default_token_count(batch: Any, ignore_index: int = -100) -> torch.Tensor:
@@ -63,14 +64,15 @@ def _scalar(x: torch.Tensor) -> float:
     return float(unwrap(x.detach()))
 
 
-class Plan(NamedTuple):
-    """Per-parameter specs for each role, resolved once from the logical axes."""
+class ParamPlan(NamedTuple):
+    """Per-parameter specs for each role, resolved once from the logical axes, and who holds which leaf."""
 
     specs: dict[str, Any]
     placements: dict[str, list]
     treedef: Any
     local: local_step.LocalPlan | None  # set when the layout runs its loss on local tensors
     units: list[tuple]  # per leaf, its ZeRO-3 gather unit (flat_comm.unit_of: one block)
+    ownership: ownership.Ownership  # the leaves this process holds and updates
 
 
 class TrainStep:
@@ -78,57 +80,98 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
                  precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True,
-                 count_comms=True, donate=False, scalar_metrics=True):
+                 count_comms=True, donate=False, plan: Plan | None = None, schedule: str | Schedule | None = None,
+                 microbatches: int | None = None, stage_sizes: list[int] | None = None,
+                 virtual_stages: int | None = None, scalar_metrics: bool = True):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
-        self.loss_fn, self.mesh, self.axes = loss_fn, mesh, axes
         self.layout = layouts.get(layout)
         layouts.validate(self.layout, mesh)
-        self.accum_steps, self.precision, self.token_count = accum_steps, precision, token_count
+        # the pipeline's stages run on the mesh of the other axes; mesh is where parameters live
+        self.full_mesh, self.mesh = mesh, mesh.without("pp") if self.layout.pipelined else mesh
+        self.loss_fn, self.axes, self.precision, self.token_count = loss_fn, axes, precision, token_count
         self.cast, self.scaler = mixed.Cast.of(precision), precision.scaler if precision is not None else None
-        self.bucket_mb, self.local, self.count_comms, self.donate = bucket_mb, local, count_comms, donate
+        self.bucket_mb, self.count_comms, self.donate = bucket_mb, count_comms, donate
         self.scalar_metrics = scalar_metrics
-        self._clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
-        self._inner = optimizer
-        self.optimizer = core.optim.chain(self._clip, optimizer) if self._clip else optimizer
-        self._plan: Plan | None = None
+        self.local = local and not self.layout.pipelined  # the pipeline path runs DTensors in each stage
+        self.clip_norm, self.inner = clip_norm, optimizer
+        self.clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
+        self.optimizer = core.optim.chain(self.clip, optimizer) if self.clip else optimizer
+        # the pipeline plan of a pipelined layout: given (checked here), or made from the first params (plan())
+        self.pipeline: Plan | None = plan_for(self.layout, mesh, None, plan) if plan is not None else None
+        self.last: Any = None  # the last step's pipeline.Result (timeline, P2P, saved activation peaks)
+        self._accum_steps = microbatches or accum_steps
+        self._pipeline_settings = dict(schedule=schedule, microbatches=microbatches,
+                                       accum_steps=accum_steps, virtual_stages=virtual_stages, stage_sizes=stage_sizes,
+                                       blocks=getattr(loss_fn, "blocks", "blocks"))
+        if self.layout.pipelined and not isinstance(loss_fn, Stages):
+            raise sharding_error(
+                f"layout {self.layout.name!r} pipelines the model's blocks, but the loss {loss_fn!r} does not declare "
+                "its stages", fix="pass the model's stages as the loss, e.g. train_step(models.gpt.stages(cfg), ...)",
+                cls=TypeError, mesh=mesh)
+        self._plan: ParamPlan | None = None
         self._grad_nbytes: int | None = None
-        self._offload_opt = "opt_state" in self.layout.host
-        if self._offload_opt and not getattr(optimizer, "elementwise", False):
+        self.offload_opt = "opt_state" in self.layout.host
+        if self.offload_opt and not getattr(optimizer, "elementwise", False):
             raise sharding_error(
                 f"layout {self.layout.name!r} keeps the optimizer state in host memory, and the update runs there "
                 f"on each rank's blocks, which needs an elementwise optimizer; this one is not",
                 fix="use core.optim.adamw/adam/sgd (or drop offload_optimizer from the layout)", mesh=mesh)
 
     # -- planning ---------------------------------------------------------------------------------
-    def plan(self, params: Any) -> Plan:
-        """Specs and placements of every parameter for each role (cached after the first call)."""
+    def plan(self, params: Any) -> ParamPlan:
+        """Specs and placements of every parameter for each role, and who holds which (cached after the first
+        call; with a pipelined layout and no plan given, the pipeline plan is made here from ``params``)."""
         if self._plan is None:
+            self.pipeline = plan_for(self.layout, self.full_mesh, params, self.pipeline, **self._pipeline_settings)
             axes = self.axes if self.axes is not None else _recorded_axes(params)
-            specs = {r: param_specs(axes, params, self.layout, self.mesh, role=r) for r in _ROLES}
-            flat = {r: tree.leaves(specs[r], is_leaf=lambda s: isinstance(s, P)) for r in _ROLES}
+            specs = {r: param_specs(axes, params, self.layout, self.mesh, role=r) for r in PARAM_ROLES}
+            flat = {r: tree.leaves(specs[r], is_leaf=lambda s: isinstance(s, P)) for r in PARAM_ROLES}
             placements = {
                 r: [lower.to_placements(s, self.mesh, len(p.shape)) for s, p in zip(flat[r], tree.leaves(params))]
-                for r in _ROLES
+                for r in PARAM_ROLES
             }
             units = [flat_comm.unit_of(path) for path, _ in tree.leaves_with_path(params)]
             local = self.local and local_step.plan(placements, tree.leaves(params), self.layout, self.mesh,
                                                    self.bucket_mb, units)
-            self._plan = Plan(specs, placements, tree.structure(params), local or None, units)
+            held = ownership.ownership(self.pipeline, params, self.full_mesh)
+            self._plan = ParamPlan(specs, placements, tree.structure(params), local or None, units, held)
         return self._plan
 
-    def _to(self, role: str, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        dm = self.mesh.device_mesh
-        return [x.redistribute(dm, pl) for x, pl in zip(leaves, self._plan.placements[role])]
+    @property
+    def accum_steps(self) -> int:
+        """Microbatches per step: the pipeline plan's under ``pp``."""
+        return self.pipeline.microbatches if self.pipeline is not None else self._accum_steps
+
+    def _made_pipeline(self) -> Plan:
+        if self.pipeline is None:
+            what = "made from the params on the first init or step" if self.layout.pipelined else "none: no pp"
+            raise sharding_error(f"layout {self.layout.name!r}: the pipeline plan is {what}",
+                                 fix="pass plan=shardings.pipeline.plan(...) to train_step, or call step.split(params) "
+                                 "first", mesh=self.full_mesh)
+        return self.pipeline
+
+    @property
+    def schedule(self) -> Schedule:
+        """The pipeline plan's schedule (``print(step.schedule)``: each rank's actions in time)."""
+        return self._made_pipeline().schedule
+
+    def split(self, params: Any) -> Split:
+        """Which blocks each stage runs (``print(step.split(params))``), from the pipeline plan."""
+        self.plan(params)
+        return self._made_pipeline().split
 
     # -- public API -------------------------------------------------------------------------------
     def init(self, params: Any) -> Any:
         """The optimizer state, sharded by the layout's ``opt_state`` rules; with a loss scale (fp16),
         ``mixed.Scaled(loss_scale, opt)``."""
-        self.plan(params)
+        plan = self.plan(params)
+        ownership.require_held(params, plan.ownership, self.full_mesh)
         with torch.no_grad():
-            state = self.optimizer.init(tree.unflatten(self._plan.treedef, self._to("opt_state", tree.leaves(params))))
-        if self._offload_opt:
+            placed = [x.redistribute(x.device_mesh, pl) for x, pl in
+                      zip(tree.leaves(params), plan.placements["opt_state"])]
+            state = self.optimizer.init(tree.unflatten(plan.treedef, placed))
+        if self.offload_opt:
             state = offload.to_host(state)
         return mixed.Scaled(self.scaler.init(), state) if self.scaler is not None else state
 
@@ -149,41 +192,19 @@ class TrainStep:
 
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
-        batch = self._place_batch(batch)
-        if plan.local is not None:
-            rows = [tree.map(lambda x: x.to_local(), mb) for mb in self._microbatches(batch)]
-            loss, g, tokens = local_step.run(plan.local, self.mesh, self.loss_fn, plan.treedef, tree.leaves(params),
-                                             rows, self.token_count, self.cast, plan.placements["opt_state"], scale)
-            return loss, tree.unflatten(plan.treedef, g), tokens
-        leaves = [p.detach().requires_grad_(True) for p in tree.leaves(params)]
-        reduce_now = self._reduce_in_backward()
-        hooks = [p.register_hook(self._reducer(i)) for i, p in enumerate(leaves) if reduce_now[i]]
-        total_tokens = self.token_count(batch)
-        loss_sum, acc = None, None
-        try:
-            for mb in self._microbatches(batch):
-                weight = self.token_count(mb) / total_tokens
-                with use(self.mesh, self.layout), regather_in_backward(), dtensor_errors():
-                    compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], self.bucket_mb,
-                                                             plan.units, self.cast)
-                    compute = self._cast_compute(compute)
-                    loss = self.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
-                    del compute
-                    gathers.close()  # forget every gathered bucket: autograd holds what backward needs
-                    scaled = loss if scale is None else loss * scale
-                    g = gather_buckets.settle(torch.autograd.grad(scaled, leaves, allow_unused=True), gathers)
-                g = [self.cast.to_reduce(torch.zeros_like(p) if gi is None else gi) for p, gi in zip(leaves, g)]
-                acc = g if acc is None else [a + b for a, b in zip(acc, g)]
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-        finally:
-            for h in hooks:
-                h.remove()
-        # Partial -> replicated: all-reduce (one per bucket); -> sharded: reduce-scatter (per leaf).
-        reduced = buckets.reduce(acc, plan.placements["opt_state"], self.bucket_mb)
-        return loss_sum, tree.unflatten(plan.treedef, reduced), total_tokens
+        if self.layout.pipelined:
+            return pipeline_path.grads(self, plan, params, batch, scale)
+        batch = self.place_batch(batch)
+        if plan.local is None:
+            return dtensor_path.grads(self, plan, params, batch, scale)
+        rows = [tree.map(lambda x: x.to_local(), mb) for mb in self.microbatches(batch)]
+        loss, g, tokens = local_step.run(plan.local, self.mesh, self.loss_fn, plan.treedef, tree.leaves(params),
+                                         rows, self.token_count, self.cast, plan.placements["opt_state"], scale)
+        return loss, tree.unflatten(plan.treedef, g), tokens
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-        """One optimizer update in the ``opt_state`` layout; returns params in storage layout.
+        """One optimizer update in the ``opt_state`` layout (:func:`shardings.step.update.update`); returns params in
+        storage layout.
 
         With a loss scale, a step whose gradients are not all finite on every rank is skipped: params and
         the optimizer state come back unchanged and the scale is halved (``core.precision.DynamicLossScale``).
@@ -191,52 +212,23 @@ class TrainStep:
         # a reduce dtype narrower than the params': clipping and the optimizer run in fp32 on the fp32 master
         # weights (one transient fp32 copy of the rank's gradients)
         grads = tree.map(lambda g, p: g.to(p.dtype) if g.dtype != p.dtype else g, grads, params)
+        plan = self.plan(params)
         if self.scaler is None:
-            return self._update(params, opt_state, grads)
+            return update.update(self, plan, params, opt_state, grads)
         ok = mixed.finite(self.mesh, tree.leaves(grads))
         scale = self.scaler.adjust(opt_state.loss_scale, ok)
         if not ok:
             return params, mixed.Scaled(scale, opt_state.opt)
-        params, state = self._update(params, opt_state.opt, grads)
+        params, state = update.update(self, plan, params, opt_state.opt, grads)
         return params, mixed.Scaled(scale, state)
 
-    def _update(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-        """The optimizer's update (:meth:`apply` without the loss scale's skip); grads in the params' dtype.
-
-        An elementwise optimizer (``adamw``, ``sgd``, ...) updates each rank's local blocks
-        (``local_step.update_blocks``: torch's fused kernel where it has one, in place when donated),
-        after a clip's global norm on the DTensors; any other runs its pure update on the DTensors.
-        """
-        plan = self.plan(params)
-        if not getattr(self._inner, "elementwise", False):
-            with torch.no_grad():
-                p_opt = tree.unflatten(plan.treedef, self._to("opt_state", tree.leaves(params)))
-                updates, opt_state = self.optimizer.update(grads, opt_state, p_opt)
-                new = tree.leaves(core.optim.apply_updates(p_opt, updates))
-                return tree.unflatten(plan.treedef, self._to("params", new)), opt_state
-        with torch.no_grad():
-            if self._clip is not None:
-                grads, inner_state = self._clip.update(grads, opt_state[0])[0], opt_state[1]
-            else:
-                inner_state = opt_state
-            opt_pl, leaves = plan.placements["opt_state"], tree.leaves(params)
-            if plan.local is not None:
-                new, inner_state = local_step.apply(plan.local, self.mesh, self._inner, plan.treedef, leaves,
-                                                    inner_state, tree.leaves(grads), opt_pl,
-                                                    plan.placements["params"], donate=self.donate,
-                                                    offload=self._offload_opt)
-            else:
-                p_opt = self._to("opt_state", leaves)
-                blocks, inner_state = local_step.update_blocks(self._inner, plan.treedef, [p.to_local() for p in p_opt],
-                                                               inner_state, tree.leaves(grads), self.donate,
-                                                               self._offload_opt)
-                dm = self.mesh.device_mesh
-                new = self._to("params", [flat_comm.dtensor(x, dm, pl, p) for x, p, pl in zip(blocks, p_opt, opt_pl)])
-        state = (opt_state[0], inner_state) if self._clip is not None else inner_state
-        return tree.unflatten(plan.treedef, new), state
-
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
-        """``(params, opt_state, metrics)`` after one step on ``batch``."""
+        """``(params, opt_state, metrics)`` after one step on ``batch``.
+
+        ``metrics``: ``loss``, ``grad_norm``, ``tokens``, ``comm`` and ``comm_bytes`` (the step's collectives),
+        ``memory`` (bytes per rank by role; a pipeline stage's: what this rank holds) and, with a pipelined
+        layout, ``pipeline`` (:func:`shardings.step.pipeline_path.metrics`).
+        """
         self.mesh.device_mesh  # noqa: B018  (no process group: say so first, not comms()'s complaint)
         # Counted: the step's own communication. Metrics (norm, loss, tokens) are reduced after it.
         with accounting.comms() if self.count_comms else contextlib.nullcontext() as c:
@@ -247,39 +239,33 @@ class TrainStep:
             new_params, new_state = self.apply(params, opt_state, grads)
             if "params" in self.layout.host:
                 new_params = offload.to_host(new_params)
+        held = lambda t: accounting.memory([x for x in tree.leaves(t) if not ownership.is_absent(x)])
         scalars = self.scalar_metrics
         metrics = {
             "loss": _scalar(loss) if scalars else None,
-            "grad_norm": _scalar(self._grad_norm(grads)) if scalars else None,
+            "grad_norm": _scalar(update.grad_norm(self, self._plan.ownership, grads)) if scalars else None,
             "tokens": int(_scalar(tokens)) if scalars else None,
             "comm": c.rows() if c else None,
             "comm_bytes": c.total_bytes() if c else None,
             "memory": {
-                "params": accounting.memory(new_params),
+                "params": held(new_params),
                 "compute": self._compute_copy_bytes(new_params),
                 "grads": self._grad_bytes(params, grads),
-                "opt_state": accounting.memory(new_state),
+                "opt_state": held(new_state),
                 "host": sum(accounting.memory(t) for r, t in (("params", new_params), ("opt_state", new_state))
                             if r in self.layout.host),
             },
         }
+        if self.pipeline is not None:
+            metrics["pipeline"] = pipeline_path.metrics(self.pipeline, self.last)
         return new_params, new_state, metrics
 
+    def gather_stages(self, params: Any) -> Any:
+        """Every block as its owner holds it (under ``pp`` on real ranks a broadcast over ``pp`` per leaf, an
+        absent block made real first); ``params`` themselves where this process holds every leaf."""
+        return ownership.gather_stages(self.plan(params).ownership, params, self.mesh.device_mesh.device_type)
+
     # -- pieces -----------------------------------------------------------------------------------
-    def _grad_norm(self, grads: Any) -> torch.Tensor:
-        norm = local_step.global_norm(self.mesh, tree.leaves(grads))  # local blocks, a few scalar all-reduces
-        return core.optim.global_norm(grads) if norm is None else norm
-
-    def _reduce_in_backward(self) -> list[bool]:
-        # A sharded grads role: reduce each gradient as backward produces it (ZeRO-2/3 memory).
-        # A gradient whose compute placement differs from storage is reduced by the gather's backward.
-        pl = self._plan.placements
-        return [g != c and c == s for g, c, s in zip(pl["grads"], pl["compute"], pl["params"])]
-
-    def _reducer(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        placements, cast = self._plan.placements["grads"][i], self.cast
-        return lambda g: cast.to_reduce(g).redistribute(g.device_mesh, placements).to(g.dtype)
-
     def _grad_bytes(self, params: Any, grads: Any) -> int:
         # Gradients held per rank: reduced in backward (a sharded grads role) they take the grads
         # layout; otherwise backward leaves them whole-per-rank in the compute layout until reduced.
@@ -287,7 +273,7 @@ class TrainStep:
         if self._grad_nbytes is None:
             plan, total = self._plan, 0
             specs = {r: tree.leaves(plan.specs[r], is_leaf=lambda s: isinstance(s, P)) for r in ("grads", "compute")}
-            reduce_now = self._reduce_in_backward()
+            reduce_now = dtensor_path.reduce_in_backward(plan.placements)
             for i, (p, g) in enumerate(zip(tree.leaves(params), tree.leaves(grads))):
                 gathered = plan.placements["compute"][i] != plan.placements["params"][i]
                 spec = specs["grads" if reduce_now[i] or gathered else "compute"][i]
@@ -305,13 +291,12 @@ class TrainStep:
         held = [p for p in tree.leaves(params) if p.is_floating_point() and p.dtype != dtype]
         return accounting.memory(held) * dtype.itemsize // max(1, held[0].dtype.itemsize) if held else 0
 
-    def _cast_compute(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [self.cast.to_compute(x) for x in leaves]
-
-    def _place_batch(self, batch: Any) -> Any:
+    def place_batch(self, batch: Any) -> Any:
+        """``batch`` placed by the layout's ``batch`` rules (each data-parallel rank keeps its rows)."""
         return batching.place(batch, self.layout, self.mesh, self.accum_steps)
 
-    def _microbatches(self, batch: Any) -> list[Any]:
+    def microbatches(self, batch: Any) -> list[Any]:
+        """A placed batch split into the step's microbatches (each rank splits its own rows)."""
         return batching.split(batch, self.accum_steps)
 
 
@@ -331,10 +316,10 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                axes: Any = None, accum_steps: int = 1, clip_norm: float | None = None, precision: Any = None,
                token_count: Callable[[Any], torch.Tensor] = default_token_count,
                bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
-               count_comms: bool = True, donate: bool = False, scalar_metrics: bool = True,
-               microbatches: int | None = None,
-               schedule: Any = "1f1b", stage_sizes: list[int] | None = None,
-               virtual_stages: int | None = None) -> TrainStep:
+               count_comms: bool = True, donate: bool = False, plan: Plan | None = None,
+               microbatches: int | None = None, schedule: str | Schedule | None = None,
+               stage_sizes: list[int] | None = None, virtual_stages: int | None = None,
+               scalar_metrics: bool = True) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -364,16 +349,20 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
             passed in (JAX's ``donate_argnums``): do not use those afterwards. With ``local`` and an
             optimizer that has a ``fused_step`` (``adamw``), the update then runs in torch's fused
             kernel on local shards in place; without donation it runs on copies.
-        microbatches: with ``pp`` in the layout, the pipeline's microbatches per step (default ``accum_steps``,
+        plan: with ``pp`` in the layout, the run's :func:`shardings.pipeline.plan` (schedule, microbatches and
+            split, made once where the run is set up; pass the same to ``shardings.init``). Without it the
+            four keywords below make one from the first params the step sees.
+        microbatches: with ``pp`` and no ``plan``: the pipeline's microbatches per step (default ``accum_steps``,
             or the ``pp`` size when that is 1); otherwise another name for ``accum_steps``.
-        schedule: with ``pp``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zb_v"`` or a
-            checked ``shardings.pipeline.Schedule``.
-        stage_sizes: with ``pp``: blocks per stage (default: balanced by parameter count, ``pipeline.split``);
-            a schedule with v stages per rank has ``pp·v`` stages.
-        virtual_stages: with ``pp`` and ``schedule="interleaved_1f1b"``: model chunks per rank (default 2).
+        schedule: with ``pp`` and no ``plan``: a name from ``shardings.pipeline.SCHEDULES`` (default
+            ``shardings.pipeline.DEFAULT_SCHEDULE``) or a checked ``shardings.pipeline.Schedule``.
+        stage_sizes: with ``pp`` and no ``plan``: blocks per stage (default: balanced by parameter count,
+            ``pipeline.split``); a schedule with v stages per rank has ``pp·v`` stages.
+        virtual_stages: with ``pp`` and no ``plan``: stages per rank for a schedule that lets the caller choose
+            (``interleaved_1f1b``, default 2).
 
     With ``pp`` the loss must be the model's ``Stages`` (``models.gpt.stages(cfg)``):
-    :mod:`shardings.step.pipeline_step`.
+    :mod:`shardings.step.pipeline_path`.
 
     Returns:
         A :class:`TrainStep`: ``opt_state = step.init(params)``, then
@@ -382,13 +371,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     >>> step = train_step(functools.partial(models.gpt.loss, cfg=cfg), core.optim.adamw(3e-4),
     ...                   layout="zero3+tp", mesh=Mesh(dp=2, tp=2))
     """
-    from shardings.step.pipeline_step import PipelineStep, has_pp
-
-    kw = dict(axes=axes, clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
-              count_comms=count_comms, donate=donate, scalar_metrics=scalar_metrics)
-    if has_pp(layout):
-        m = microbatches or (accum_steps if accum_steps > 1 else mesh.axis_size("pp"))
-        return PipelineStep(loss_fn, optimizer, layout=layout, mesh=mesh, microbatches=m, schedule=schedule,
-                            stage_sizes=stage_sizes, virtual_stages=virtual_stages, **kw)
-    return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, accum_steps=microbatches or accum_steps,
-                     local=local, **kw)
+    return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
+                     clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
+                     local=local, count_comms=count_comms, donate=donate, plan=plan, schedule=schedule,
+                     microbatches=microbatches, stage_sizes=stage_sizes, virtual_stages=virtual_stages,
+                     scalar_metrics=scalar_metrics)

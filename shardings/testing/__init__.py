@@ -1,4 +1,5 @@
-"""Testing helpers for sharded code: equivalence against one device, the tolerance rule, hypothesis strategies.
+"""Testing helpers for sharded code: equivalence against one device, the tolerance rule, what a comparison can see
+(detection limits), hypothesis strategies.
 
 The strategies (``meshes``, ``specs``, ``layouts``) need ``hypothesis`` (a dev dependency) and are
 imported on first use, so ``import shardings`` works without it.
@@ -8,13 +9,17 @@ May import: everything in ``shardings``, through its public surface too (the top
 
 from typing import Any
 
-from shardings.testing.equivalence import EquivalenceError, Report, Row, check_equivalence, check_runs, compare_trees
-from shardings.testing.tolerance import ULPS, Diff, Tolerance, assert_close, diff, tolerance
+from shardings.testing.equivalence import EquivalenceError, check_equivalence, check_runs, compare_trees
+from shardings.testing.power import Limit
+from shardings.testing.report import Report, Row
+from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, Diff, Tolerance, assert_close, diff, tolerance
 
 __all__ = [
+    "LOW_PRECISION_ULPS",
     "ULPS",
     "Diff",
     "EquivalenceError",
+    "Limit",
     "Report",
     "Row",
     "Tolerance",

@@ -5,95 +5,61 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import core
-from core import tree
+from core import deferred, tree
 from shardings.comm.buckets import DEFAULT_BUCKET_MB
+from shardings.pipeline import plan as pipeline_plan
 from shardings.runtime.simulate import per_rank, simulate
 from shardings.spec.distribute import gather
 from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
 from shardings.step.initialize import init as sharded_init
-from shardings.step.pipeline_step import has_pp
 from shardings.step.train_step import train_step
-from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, diff, tolerance
+from shardings.testing.power import Judge, Limit, detection_limit, summarize, unknown_patterns
+from shardings.testing.report import Report, Row
+from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, largest, tolerance
 
-__all__ = ["EquivalenceError", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
+__all__ = ["EquivalenceError", "Limit", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
 
 
 class EquivalenceError(AssertionError):
     """A layout's loss, grads or params differ from the single-device reference past tolerance."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One comparison: a quantity of one layout at one step."""
-
-    layout: str
-    step: int
-    quantity: str  # "loss" | "grads" | "params"
-    max_abs: float
-    rel_norm: float  # the worst leaf's ‖got − want‖ / ‖want‖
-    used: float  # the largest fraction of the allowed difference any element used (ok iff <= 1)
-    worst_path: str
-    ok: bool
-
-
-@dataclasses.dataclass
-class Report:
-    """Every comparison made by :func:`check_equivalence`."""
-
-    rows: list[Row]
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
-
-    def worst(self) -> Row:
-        """The failing row with the largest excess (or the largest difference when all pass)."""
-        return max(self.rows, key=lambda r: r.used)
-
-    def table(self) -> str:
-        """A text table: layout, step, quantity, max abs difference, relative norm, tolerance used, verdict."""
-        head = (f"{'layout':<18} {'step':>4} {'quantity':<8} {'max_abs':>10} {'rel_norm':>10} {'used':>7}  {'':4} "
-                "worst path")
-        lines = [head, "-" * len(head)]
-        for r in self.rows:
-            lines.append(f"{r.layout:<18} {r.step:>4} {r.quantity:<8} {r.max_abs:>10.3e} {r.rel_norm:>10.3e} "
-                         f"{r.used:>7.3f}  {'ok' if r.ok else 'FAIL':4} {r.worst_path}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
 def compare_trees(got: Any, want: Any, *, terms: int = 1, ulps: float = ULPS,
-                  slack: dict[str, torch.Tensor] | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[float, float, float, str, bool]:
+                  slack: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                  tolerances: dict[str, float] | None = None,
+                  exclude: Sequence[str] = ()) -> tuple[float, float, float, str, bool]:
     """Compare two trees leaf by leaf with the tolerance rule (:mod:`shardings.testing.tolerance`).
 
     The structures must match: a leaf missing on either side (or an extra one) fails, named by its path.
-    ``slack`` maps a leaf's key path to a per-element allowance added to the rule (:func:`diff`'s).
+    Each leaf gets the floor of ``want``'s largest magnitude (a leaf whose truth is 0 is judged by the
+    rounding of the tree's values). ``slack`` maps a leaf's key path to a per-element allowance added to the
+    rule (:func:`diff`'s); ``tolerances`` maps key-path regexes to the ``ulps`` of the leaves they match, and
+    the leaves ``exclude``'s regexes match are not compared (:class:`shardings.testing.power.Judge`).
 
     Returns:
         ``(max_abs, rel_norm, used, worst_path, ok)`` of the worst leaf (the one using the most of its
         allowed difference).
     """
+    return _compare(got, Judge(want, terms=terms, ulps=ulps, dtype=dtype, slack=slack, tolerances=tolerances,
+                               exclude=exclude))
+
+
+def _compare(got: Any, judge: Judge) -> tuple[float, float, float, str, bool]:
     got_leaves = {tree.keystr(p): x for p, x in tree.leaves_with_path(got)}
-    want_leaves = {tree.keystr(p): x for p, x in tree.leaves_with_path(want)}
-    missing = sorted(set(got_leaves) ^ set(want_leaves))
+    missing = sorted(set(got_leaves) ^ (set(judge.want) | set(judge.excluded)))
     if missing:
         return math.inf, math.inf, math.inf, f"{missing[0]} (tree structures differ)", False
     worst = (0.0, 0.0, 0.0, "", True)
-    for key, w in want_leaves.items():
-        w = torch.as_tensor(w).detach()
-        extra = slack.get(key) if slack is not None else None
-        tol = tolerance(w, terms=terms, ulps=ulps, dtype=dtype) if w.numel() else None
-        d = diff(got_leaves[key], w, tol, slack=extra)
+    for key in judge.want:
+        d = judge.leaf(key, got_leaves[key])
         if d.used >= worst[2]:
             worst = (d.max_abs, d.rel_norm, d.used, key, d.ok)
     return worst
@@ -121,7 +87,7 @@ def _with_policy(loss_fn: Callable, policy: Any) -> Callable:
     return value_and_grad
 
 
-def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps, policy=None):
+def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps, policy=None, tolerances=None):
     """Per step the single-device ``(loss, grads, params)``, and how far rounding noise could move each of them.
 
     The second part runs the same optimizer twice more beside the reference, each on its own
@@ -131,8 +97,10 @@ def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, term
     element, so the params comparison allows exactly it and no more (plain SGD: almost nothing).
     From step 2 on, the loss and gradients those runs compute at their own params measure how far
     that allowed params noise moves the loss and gradients in turn (the same allowance, one step later).
+    The pushes are the rule's for each leaf: its tree's floor, and a ``tolerances`` override's ulps.
     """
     params = init(key, cfg)
+    ulps_of = lambda path: next((u for rx, u in (tolerances or {}).items() if re.search(rx, path)), ulps)
     value_and_grad = _with_policy(loss_fn, policy)
     dtype = low_dtype(policy)
     opt = core.optim.chain(core.optim.clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
@@ -145,7 +113,9 @@ def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, term
         for j, (sign, p, st) in enumerate(noisy):
             g_loss, g = (loss, grads) if step == 0 else value_and_grad(p, batch)
             seen.append((g_loss, g))
-            pushed = tree.map(lambda g, sign=sign: g + sign * _allowed(g, terms, ulps, dtype), g)
+            floor = largest(g)
+            pushed = tree.map_with_path(lambda path, x, sign=sign, floor=floor: x + sign * _allowed(
+                x, terms, ulps_of(tree.keystr(path)), dtype, floor), g)
             updates, st = opt.update(pushed, st, p)
             noisy[j] = (sign, core.optim.apply_updates(p, updates), st)
         updates, state = opt.update(grads, state, params)
@@ -166,11 +136,12 @@ def _spread(want: Any, others: list[Any]) -> dict[str, torch.Tensor]:
             zip(tree.leaves_with_path(moved[0]), tree.leaves(moved[1]))}
 
 
-def _allowed(g: torch.Tensor, terms: int, ulps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The largest difference from ``g`` the rule accepts, per element."""
+def _allowed(g: torch.Tensor, terms: int, ulps: float, dtype: torch.dtype | None = None,
+             floor: float | None = None) -> torch.Tensor:
+    """The largest difference from ``g`` the rule accepts, per element (``floor``: its tree's largest magnitude)."""
     if not g.numel():
         return torch.zeros_like(g)
-    tol = tolerance(g, terms=terms, ulps=ulps, dtype=dtype)
+    tol = tolerance(g, terms=terms, ulps=ulps, dtype=dtype, floor=floor)
     return tol.atol + tol.rtol * g.detach().abs()
 
 
@@ -185,7 +156,7 @@ def _rank_values(full_tree: Any) -> list[Any]:
 def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
     """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
     optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
-    where = {"schedule": step_kw["schedule"]} if "schedule" in step_kw else {}  # pp: which rank runs which stage
+    where = {"plan": step_kw["plan"]} if "plan" in step_kw else {}  # pp: which rank runs which stage
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
     loss_fn = loss_fn.build() if isinstance(loss_fn, _StagesOf) else loss_fn
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
@@ -258,21 +229,32 @@ def check_equivalence(
     donate: bool = False,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     stages: Callable[[Any], Any] | None = None,
-    schedule: Any = "1f1b",
+    schedule: Any = None,
     precision: Any = None,
+    fp32_twin: bool = True,
+    tolerances: dict[str, float] | None = None,
+    exclude: Sequence[str] = (),
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
     Every rank's copy of loss, gathered grads and gathered params is compared (a rank-dependent
     bug cannot hide behind rank 0), every step, leaf by leaf, with the tolerance rule of
     :mod:`shardings.testing.tolerance` (``terms`` = the batch's tokens by default); the tree
-    structures must match. Params get one more allowance: how far the optimizer moves them when
-    the reference's gradients are off by what the rule allows (measured by two extra reference
-    runs, see ``_reference``) — Adam turns a gradient that is exactly zero on one device and
+    structures must match. A leaf whose reference is ~0 (a key bias's gradient) is judged on its tree's
+    floor, the rounding of the tree's largest values. Params get one more allowance: how far the optimizer
+    moves them when the reference's gradients are off by what the rule allows (measured by two extra
+    reference runs, see ``_reference``) — Adam turns a gradient that is exactly zero on one device and
     1e-12 on sharded ranks into a learning-rate step, which is rounding, not a bug. From step 2 on,
     loss and grads get the same kind of allowance: how far they move at the params those extra runs
     reached (params within the allowance give gradients that differ by more than one step's rounding).
     A wrong gradient still fails in the grads rows, and a wrong update fails in the params rows.
+
+    Under a bf16/fp16 ``precision`` each layout also runs as its *fp32 twin* (reported as ``<layout>@fp32``):
+    the same policy with ``compute_dtype`` float32 (same storage, casts, gathers and reduce dtype), against the
+    reference under that policy, by the rule of the twin's coarsest dtype — fp32's when the reduce dtype is
+    fp32 (``Policy.bf16_mixed()``, ``fp16_mixed()``), so the layout is checked at fp32 power; the reduce
+    dtype's low-precision rule when it is itself bf16/fp16 (the gradients are rounded to it before they are
+    summed, on both sides). Every run's report states its detection limits (:class:`Report`).
 
     Args:
         init: ``init(key, cfg) -> params`` (single-device, ``core.random``).
@@ -303,14 +285,23 @@ def check_equivalence(
             several buckets (their boundaries, overlap and ZeRO-3 prefetch) on a small model.
         stages: for layouts with ``pp``: the model's stage declaration as a function of ``cfg``
             (``models.gpt.stages``); the pipeline then runs ``accum_steps`` microbatches (default ``pp``).
-        schedule: for layouts with ``pp``: a name (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
-            ``"zb_v"``) or a ``shardings.pipeline.Schedule``.
+        schedule: for layouts with ``pp``: a name from ``shardings.pipeline.SCHEDULES`` (default
+            ``shardings.pipeline.DEFAULT_SCHEDULE``) or a ``shardings.pipeline.Schedule``; the pipeline plan
+            (``shardings.pipeline.plan``) is made from it, ``accum_steps`` and the model's shapes.
         precision: a ``core.precision.Policy`` for both sides: the reference runs the same policy on one device
             (params cast to compute dtype, gradients rounded to reduce dtype, the same initial loss scale), and
             the tolerance rule uses the compute dtype's epsilon (:func:`check_runs`).
+        fp32_twin: under a bf16/fp16 ``precision``, also run each layout's fp32 twin (above).
+        tolerances: key-path regex -> ulps, for the leaves it matches (``re.search`` on the path as the report
+            prints it: ``{"'bk'": 256}`` for every ``['blocks'][i]['bk']``); the first match wins. Reported.
+        exclude: key-path regexes of leaves left out of every comparison (reported in the table).
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
+
+    Raises:
+        EquivalenceError: a comparison failed (with ``raise_on_failure``).
+        ValueError: a ``tolerances`` or ``exclude`` pattern that matches no leaf.
 
     >>> report = check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch,
     ...                            layouts=["dp", "zero3+tp"], mesh=Mesh(dp=2, tp=2))
@@ -319,55 +310,112 @@ def check_equivalence(
     axes = axes(cfg) if callable(axes) else axes
     loss_fn = functools.partial(loss, cfg=cfg)
     key = core.random.key(seed)
-    runs = {}
-    for layout in layouts:
-        layout = get_layout(layout)
-        step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate, bucket_mb=bucket_mb,
-                       precision=precision)
-        layout_loss = loss_fn
-        if has_pp(layout):
-            if stages is None:
-                raise ValueError(f"check_equivalence: layout {layout.name!r} pipelines the blocks. Fix: pass "
-                                 "stages=model.stages (a function of cfg), e.g. stages=models.gpt.stages.")
-            layout_loss, step_kw["schedule"] = _StagesOf(stages, cfg), schedule
-        runs[layout.name] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch, optimizer,
-                                              steps, key, layout, mesh, step_kw)
-    return check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm, seed=seed,
-                      terms=terms, ulps=ulps, raise_on_failure=raise_on_failure, where=f" on {mesh!r}",
-                      precision=precision)
+    policies = [("", precision)]
+    if fp32_twin and _is_low(precision):
+        policies.append(("@fp32", dataclasses.replace(precision, compute_dtype=torch.float32)))
+    reports = []
+    for suffix, policy in policies:
+        runs = {}
+        for layout in layouts:
+            layout = get_layout(layout)
+            step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate,
+                           bucket_mb=bucket_mb, precision=policy)
+            layout_loss = loss_fn
+            if layout.pipelined:
+                if stages is None:
+                    raise ValueError(f"check_equivalence: layout {layout.name!r} pipelines the blocks. Fix: pass "
+                                     "stages=model.stages (a function of cfg), e.g. stages=models.gpt.stages.")
+                with deferred.deferred():  # shapes only: what the pipeline plan's split balances
+                    shapes = init(key, cfg)
+                layout_loss, step_kw["plan"] = _StagesOf(stages, cfg), pipeline_plan(
+                    layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks)
+            runs[layout.name + suffix] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch,
+                                                           optimizer, steps, key, layout, mesh, step_kw)
+        reports.append(check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm,
+                                  seed=seed, terms=terms, ulps=ulps, raise_on_failure=False, precision=policy,
+                                  tolerances=tolerances, exclude=exclude))
+    report = Report([r for rep in reports for r in rep.rows], [x for rep in reports for x in rep.limits],
+                    reports[0].overridden, reports[0].excluded)
+    return _raise_if_failed(report, f" on {mesh!r}") if raise_on_failure else report
+
+
+def _is_low(policy: Any) -> bool:
+    """Whether a policy computes or reduces in a dtype coarser than float32 (the low-precision rule's case)."""
+    low = low_dtype(policy)
+    return low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps
 
 
 def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[Any, Any], Any],
                loss: Callable[..., torch.Tensor], cfg: Any, batch: Any, *, steps: int = 3, optimizer: Any = None,
                clip_norm: float | None = None, seed: int = 0, terms: int | None = None, ulps: float | None = None,
-               raise_on_failure: bool = True, where: str = "", precision: Any = None) -> Report:
+               raise_on_failure: bool = True, where: str = "", precision: Any = None,
+               tolerances: dict[str, float] | None = None, exclude: Sequence[str] = ()) -> Report:
     """:func:`check_equivalence` for any way of training: each of ``runs`` (by name) is a function returning, per
     step, one ``{"loss", "grads", "params"}`` tree of full plain tensors per rank; compared with the single-device
-    reference (same optimizer, clipping, seed, and allowances) and reported the same way.
+    reference (same optimizer, clipping, seed, and allowances) and reported the same way, detection limits
+    included (measured on rank 0's values).
 
     >>> report = check_runs({"1f1b": my_pipeline_run}, models.gpt.init, models.gpt.loss, cfg, batch)  # doctest: +SKIP
     """
     optimizer = optimizer if optimizer is not None else functools.partial(core.optim.adamw, 1e-3)
     make = optimizer if not isinstance(optimizer, core.optim.GradientTransformation) else (lambda: optimizer)
     low = low_dtype(precision)
-    if low is not None and torch.finfo(low).eps > torch.finfo(torch.float32).eps:  # see tolerance.LOW_PRECISION_ULPS
-        terms, ulps = terms or 1, ulps if ulps is not None else LOW_PRECISION_ULPS.get(low, 8.0)
-    terms = terms or max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
-    ulps = ulps if ulps is not None else ULPS
+    tokens = max(1, *(torch.as_tensor(x).numel() for x in tree.leaves(batch)))
+    terms, ulps = _rule(low, terms, ulps, tokens)
     loss_fn, key = functools.partial(loss, cfg=cfg), core.random.key(seed)
-    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps, precision)
-    dtype = low_dtype(precision)
+    initial = init(key, cfg)
+    paths = [tree.keystr(p) for p, _ in tree.leaves_with_path(initial)]
+    unknown = unknown_patterns(paths, tolerances, exclude)
+    if unknown:
+        raise ValueError(f"check_equivalence: the patterns {unknown} (tolerances/exclude) match no leaf of the params "
+                         f"{paths}. Fix: write a regex that re.search finds in one of these key paths.")
+    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps, precision,
+                            tolerances)
     rows: list[Row] = []
+    limits: list[Limit] = []
+    judge = None
     for name, run in runs.items():
+        caught: dict[str, dict[str, float]] = {"loss": {}, "grads": {}, "params": {}}  # quantity -> leaf -> ε
+        uncounted: dict[str, set[str]] = {"loss": set(), "grads": set(), "params": set()}  # not Judge.counted
         for i, ((ref_loss, ref_grads, ref_params), per_ranks) in enumerate(zip(ref, run(), strict=True)):
+            before = ref[i - 1][2] if i else initial
+            grads_judge = None
             for quantity, want in (("loss", ref_loss), ("grads", ref_grads), ("params", ref_params)):
-                extra = slack[i][quantity]
-                results = [compare_trees(r[quantity], want, terms=terms, ulps=ulps, slack=extra, dtype=dtype)
-                           for r in per_ranks]
+                capped = {}  # params: at most a fraction of the step's own update away (UPDATE_FRACTION)
+                if quantity == "params":
+                    capped = dict(update=_update(want, before),
+                                  noise_driven=[k for k in grads_judge.want if grads_judge.on_floor(k)])
+                judge = Judge(want, terms=terms, ulps=ulps, dtype=low, slack=slack[i][quantity], tolerances=tolerances,
+                              exclude=exclude, **capped)
+                grads_judge = judge if quantity == "grads" else grads_judge
+                results = [_compare(r[quantity], judge) for r in per_ranks]
                 abs_, rel, used, path, ok = max(results, key=lambda r: (not r[4], r[2]))
                 rows.append(Row(name, i + 1, quantity, abs_, rel, used, path or "<scalar>", ok))
-    report = Report(rows)
-    if raise_on_failure and not report.ok:
+                planted = detection_limit(judge, per_ranks[0][quantity], before if quantity == "params" else None)
+                for leaf, eps in planted.items():  # planted at every step: caught at the step that catches most
+                    caught[quantity][leaf] = min(eps, caught[quantity].get(leaf, math.inf))
+                uncounted[quantity] |= set(judge.want) - set(planted)
+        limits += summarize(name, caught, uncounted)
+    report = Report(rows, limits, judge.overridden if judge else {}, judge.excluded if judge else [])
+    return _raise_if_failed(report, where) if raise_on_failure else report
+
+
+def _update(after: Any, before: Any) -> dict[str, torch.Tensor]:
+    """Per key path, the step's own update of each leaf: ``after - before``."""
+    return {tree.keystr(k): a - b for (k, a), b in zip(tree.leaves_with_path(after), tree.leaves(before))}
+
+
+def _rule(dtype: torch.dtype | None, terms: int | None, ulps: float | None, tokens: int) -> tuple[int, float]:
+    """``(terms, ulps)`` of the rule for values computed in ``dtype``: the low-precision one for bf16/fp16
+    (terms 1, :data:`~shardings.testing.tolerance.LOW_PRECISION_ULPS`), else fp32's (``tokens``, :data:`ULPS`);
+    what the caller passed wins."""
+    if dtype is not None and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps:
+        return terms or 1, ulps if ulps is not None else LOW_PRECISION_ULPS.get(dtype, 8.0)
+    return terms or tokens, ulps if ulps is not None else ULPS
+
+
+def _raise_if_failed(report: Report, where: str) -> Report:
+    if not report.ok:
         w = report.worst()
         raise EquivalenceError(
             f"layout {w.layout!r}{where}: {w.quantity} differ from the single-device reference at step {w.step}, "

@@ -234,7 +234,7 @@ def test_vmap_over_a_pytree_equals_a_loop(case):
     rows = [f(params, row) for row in x]
     looped = tree.map(lambda *leaves: torch.stack(leaves), *rows)
     assert tree.structure(batched) == tree.structure(looped)
-    # Batched matmuls may sum in a different order than one-row ones: fp32 tolerance (DESIGN §5).
+    # Batched matmuls may sum in a different order than one-row ones: fp32 tolerance (docs/equivalence.md's rule).
     assert_close(batched, looped)
 
 

@@ -1,32 +1,18 @@
-"""The command line takes a layout composition in any order, as Python does (``layout=sp+tp`` is ``tp+sp``)."""
+"""The command line takes a layout as a string: a composition in any order, as Python does (``layout=sp+tp`` is
+``tp+sp``), checked at build with the nearest name for a typo; nothing is registered when the app is imported."""
 
-import pytest
-from hydra import compose, initialize
+import subprocess
+import sys
 
 from experiments.build import build
-from experiments.config import register
 from experiments.equivalence import main as equivalence
-
-
-@pytest.fixture(autouse=True)
-def _forget_the_spellings():
-    """The ConfigStore is process-wide: leave it holding only the canonical members for the other tests."""
-    members = register().repo["layout"]
-    before = dict(members)
-    yield
-    members.clear()
-    members.update(before)
+from tests.experiments.conftest import compose_config
 
 
 def test_a_composition_in_any_order_composes_and_builds():
-    overrides = ["layout=sp+tp", "mesh=tp2", "model=mlp", "runtime=simulate"]
-    register(overrides)
-    with initialize(version_base="1.3", config_path=None):
-        cfg = compose("train", overrides=overrides)
-        assert build(cfg).layout.name == "tp+sp"
-        # a sweep's values too (Hydra composes every job of a multirun before the first runs)
-        register(["layout=dp,tp+zero3+sp"])
-        assert compose("train", overrides=["layout=tp+zero3+sp"]).layout.name == "zero3+tp+sp"
+    cfg = compose_config("train", ["layout=sp+tp", "mesh=tp2", "model=mlp", "runtime=simulate"])
+    assert cfg.layout == "sp+tp" and build(cfg).layout.name == "tp+sp"
+    assert build(compose_config("train", ["layout=tp+zero3+sp", "mesh=dp2_tp2"])).layout.name == "zero3+tp+sp"
 
 
 def test_the_equivalence_cli_takes_any_order(capsys):
@@ -34,6 +20,15 @@ def test_the_equivalence_cli_takes_any_order(capsys):
     assert "under 'tp+sp'" in capsys.readouterr().out
 
 
-def test_a_misspelled_layout_is_still_refused(capsys):
+def test_a_misspelled_layout_is_refused_with_the_nearest_preset(capsys):
     assert equivalence(["layout=sp+tpp", "mesh=tp2"]) == 2
-    assert "layout" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown layout preset 'tpp'" in err and "did you mean 'tp'?" in err and "Fix: use presets from" in err
+
+
+def test_importing_the_apps_registers_nothing():
+    code = ("import experiments.train, experiments.equivalence\n"
+            "from hydra.core.config_store import ConfigStore\n"
+            "print(sorted(ConfigStore.instance().repo))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "train" not in out and "model" not in out, out

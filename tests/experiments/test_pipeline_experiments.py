@@ -32,20 +32,22 @@ def train(*overrides):
 ])
 def test_pp_configs_build_with_the_stages_as_the_loss(overrides, want):
     setup = build(train(*PP, *overrides))
-    assert (setup.microbatches, setup.schedule) == want and setup.mesh.shape == {"dp": 2, "pp": 2}
+    assert (setup.microbatches, setup.plan.schedule.name) == want and setup.mesh.shape == {"dp": 2, "pp": 2}
+    assert setup.plan.microbatches == setup.microbatches and setup.plan.pp == 2
     assert isinstance(loss(setup), Stages)
     setup = build(train("layout=tp+sp+pp", "mesh=dp2_pp2_tp2", "runtime=simulate", "model=gpt_small"))
     assert setup.layout.name == "tp+sp+pp" and setup.mesh.shape == {"dp": 2, "pp": 2, "tp": 2}
     setup = build(train("layout=dp", "mesh=dp4", "pipeline.schedule=gpipe"))  # pipeline: ignored without pp
-    assert (setup.microbatches, setup.schedule) == (1, None) and not isinstance(loss(setup), Stages)
+    assert (setup.microbatches, setup.plan) == (1, None) and not isinstance(loss(setup), Stages)
 
 
 IMPOSSIBLE = [
     (["pipeline.microbatches=3"], r"batch size=16 is not divisible by 6 \(2 data-parallel ranks × 3 pipeline micro"),
     (["data.batch_size=6"], r"batch size=6 is not divisible by 4"),
     (["model.config.layers=1"], r"the model has 1 blocks \(layers\), too few for pp=2 .*model.config.layers to 2"),
-    (["pipeline.schedule=interleaved"], r"pipeline.schedule='interleaved' is unknown.*'gpipe', 'interleaved_1f1b'"),
-    (["pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=3", "data.batch_size=12"],
+    (["pipeline.schedule=interleaved"], r"pipeline.schedule=interleaved .*unknown pipeline schedule 'interleaved'.*"
+                                        r"'gpipe', 'interleaved_1f1b'"),
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=3", "data.batch_size=12", "model.config.layers=4"],
      r"pipeline.schedule=interleaved_1f1b .*microbatches"),
     (["pipeline.schedule=zb_v", "model.config.layers=3"],
      r"the model has 3 blocks .*too few for pp=2 × 2 stage\(s\) per rank = 4"),
@@ -127,7 +129,7 @@ def test_equivalence_app_checks_a_pp_layout(capsys):
 
 def test_stage_sizes_reach_the_step_and_are_checked():
     setup = build(train(*PP, "model.config.layers=3", "pipeline.stage_sizes=[2,1]"))
-    assert setup.stage_sizes == [2, 1]
+    assert [len(r) for r in setup.plan.split.ranges] == [2, 1]
     with pytest.raises(ConfigError, match=r"pipeline.stage_sizes=\[3, 1\] must be 2 positive counts adding up to the "
                                           r"model's 3 blocks.*Fix:"):
         build(train(*PP, "model.config.layers=3", "pipeline.stage_sizes=[3,1]"))

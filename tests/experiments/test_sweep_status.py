@@ -54,3 +54,13 @@ def test_a_failing_job_is_recorded_the_rest_run_and_the_exit_status_says_so(tmp_
     out = capsys.readouterr().out
     assert "2 jobs: 1 failed, 1 ran" in out
     assert "data.source=/no/such/dir: failed: ValueError: data.source='/no/such/dir' is neither" in out
+
+
+@pytest.mark.simulated  # the sweep's jobs run runtime=simulate in a child process
+def test_a_misspelled_layout_in_a_sweep_is_a_skipped_job_naming_the_nearest_preset(tmp_path):
+    sweep, proc = _sweep(tmp_path, "layout=dp,zer03", "mesh=dp2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _status(sweep / "0") == {"status": "ran", "reason": None}
+    bad = _status(sweep / "1")
+    assert bad["status"] == "skipped" and "did you mean 'zero3'?" in bad["reason"] and "Fix:" in bad["reason"]
+    assert "skipped job 1 (layout=zer03 mesh=dp2): impossible combination" in proc.stderr

@@ -35,7 +35,7 @@ def _check_run_dir(out: Path, cfg, summary: dict) -> None:
     assert set(records[0]["memory"]) >= {"params", "grads", "opt_state"}
     assert OmegaConf.load(out / "config.yaml") == OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     assert json.loads((out / "summary.json").read_text()) == summary
-    assert summary["final_loss"] == records[-1]["loss"] and summary["layout"] == cfg.layout.name
+    assert summary["final_loss"] == records[-1]["loss"] and summary["layout"] == cfg.layout
 
 
 def test_simulate_run(tmp_path):

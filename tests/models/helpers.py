@@ -42,7 +42,7 @@ def sharded_loss_and_grads(model: ModuleType, cfg: Any, params: Any, batch: Any,
 
 
 def assert_tensor_parallel_matches(model: ModuleType, cfg: Any, params: Any, batch: Any, rules: shardings.Rules):
-    """The same model code on DTensors gives the single-device loss and grads (DESIGN §5's rule)."""
+    """The same model code on DTensors gives the single-device loss and grads (shardings.testing's tolerance rule)."""
     ref, ref_grads = core.value_and_grad(model.loss)(params, batch, cfg)
     value, grads, specs = sharded_loss_and_grads(model, cfg, params, batch, rules)
     assert_close(value, ref)

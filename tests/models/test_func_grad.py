@@ -1,4 +1,4 @@
-"""torch.func.grad differentiates the models' losses on one device (DESIGN: models are pure functions that
+"""torch.func.grad differentiates the models' losses on one device (docs/models.md: models are pure functions that
 torch.func transforms), equal to core.grad's autograd gradients."""
 
 import functools

@@ -68,6 +68,41 @@ def test_loss_is_mean_cross_entropy_over_kept_labels(cfg: mlp.Config, seed: int)
     assert_close(mlp.loss(params, batch, cfg), expected)
 
 
+def _by_hand(params, batch, cfg: mlp.Config):
+    """The module docstring's model token by token: embed → blocks of [RMSNorm → up → gelu (erf) → down +
+    residual] → RMSNorm → unembed; the mean negative log-likelihood of the labels that are not ignored."""
+    def rms(x, w):
+        return w * x / torch.sqrt((x * x).mean() + cfg.norm_eps)
+
+    def gelu(u):
+        return 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+
+    nll = []
+    for r in range(batch["tokens"].shape[0]):
+        for t in range(batch["tokens"].shape[1]):
+            x = params["embed"][batch["tokens"][r, t]]
+            for p in params["blocks"]:
+                x = x + gelu(rms(x, p["norm"]) @ p["w_up"]) @ p["w_down"]
+            logits = rms(x, params["final_norm"]) @ params["unembed"]
+            label = int(batch["labels"][r, t])
+            if label != cfg.ignore_index:
+                nll.append(torch.logsumexp(logits, 0) - logits[label])
+    return sum(nll) / len(nll)
+
+
+def test_loss_and_gradients_equal_a_token_by_token_reference_by_hand() -> None:
+    """An independent reference of what the docstring promises, over several blocks (3), with large weights so
+    the norms, the gelu and the residuals all matter."""
+    cfg = mlp.Config(vocab=16, dim=8, mlp=12, layers=3, seq_len=5, init_std=0.5)
+    wobble = lambda x: x + 0.1 * torch.arange(x.numel()).view(x.shape).sin()  # norms ≠ 1
+    params = tree.map(wobble, mlp.init(core.random.key(7), cfg))
+    batch = mlp.example_batch(cfg, 3, seed=1, with_ignored=True)
+    want_loss, want_grads = core.value_and_grad(lambda p: _by_hand(p, batch, cfg))(params)
+    got_loss, got_grads = core.value_and_grad(lambda p: mlp.loss(p, batch, cfg))(params)
+    assert_close(got_loss, want_loss, terms=cfg.mlp)
+    assert_close(got_grads, want_grads, terms=cfg.mlp * 15)
+
+
 def test_ignored_labels_do_not_affect_the_loss() -> None:
     params, batch = mlp.init(core.random.key(2), SMALL), mlp.example_batch(SMALL, 4, with_ignored=True)
     ignored = batch["labels"] == SMALL.ignore_index

@@ -1,5 +1,5 @@
 """Checkpoints from pp on real processes: each rank writes its own stage's blocks; the checkpoint loads on one
-device (every block, bitwise as the owners held them) and back into placeholders under pp."""
+device (every block, bitwise as the owners held them) and back into absent blocks under pp."""
 
 import torch
 
@@ -22,7 +22,7 @@ def _save_and_reload(root: str) -> dict:
     state = step.init(params)
     params, state, _ = step(params, state, models.gpt.example_batch(CFG, 8))
     checkpoint.save(root, {"params": params, "opt_state": state}, step=1)
-    fresh = make()  # placeholders where params has them
+    fresh = make()  # absent blocks where params has them
     loaded, at = checkpoint.load(root, like={"params": fresh, "opt_state": step.init(fresh)})
     return {"saved": gather(step.gather_stages(params)), "reloaded": gather(step.gather_stages(loaded["params"])),
             "step": at}

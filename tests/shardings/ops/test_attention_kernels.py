@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -49,12 +49,28 @@ def _value_and_grads(f, q, k, v, cot):
 @settings(max_examples=12)
 @given(causal=st.booleans(), heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]), seq=st.integers(1, 40),
        dtype=st.sampled_from([torch.float32, torch.float64]))
+@example(causal=True, heads=(4, 4), seq=1, dtype=torch.float32)  # one key: the reference's dq and dk are exactly 0
 def test_fused_equals_the_reference(causal, heads, seq, dtype):
     q, k, v, cot = _inputs(2, seq, *heads, dtype=dtype)
     got = _value_and_grads(lambda *a: kernels.fused(*a, causal=causal), q, k, v, cot)
     # the reference's softmax is float32: compare both at float32's precision, each grad a sum over seq
     want = _value_and_grads(lambda *a: reference_attention(*a, causal=causal), q, k, v, cot)
     assert_close(got, want, terms=seq, dtype=torch.float32)
+
+
+def test_over_one_key_rounding_where_the_reference_is_zero_passes_and_a_real_error_fails():
+    """Softmax over one key has zero gradient for q and k; a kernel computes it as dP − rowsum(dO·O), two dot
+    products that cancel: 2.2e-7 on one CPU, exactly 0 on another. The rule judges such a leaf on the floor of
+    its tree (8 ulps of the largest value of [out, dq, dk, dv]), not on its own size 0."""
+    q, k, v, cot = _inputs(2, 1, 4, 2)
+    want = _value_and_grads(lambda *a: reference_attention(*a, causal=True), q, k, v, cot)
+    assert not want[1].any() and not want[2].any()  # exactly 0: nothing of their own to scale an allowance by
+    noise = torch.full_like(want[1], 2e-7) * torch.tensor([1.0, -1.0]).repeat(want[1].numel() // 2).view_as(want[1])
+    assert_close([want[0], noise, want[2] - 2e-7, want[3]], want, terms=1, dtype=torch.float32)
+    with pytest.raises(AssertionError, match=r"at \[1\]"):  # an error far above the rounding of the tree
+        assert_close([want[0], noise * 100, want[2], want[3]], want, terms=1, dtype=torch.float32)
+    with pytest.raises(AssertionError, match=r"at \[3\]"):  # and the leaves of their own scale stay strict
+        assert_close([want[0], noise, want[2], want[3] * (1 + 1e-4)], want, terms=1, dtype=torch.float32)
 
 
 def test_fused_in_bfloat16_is_the_float32_reference_to_bfloat16_rounding():

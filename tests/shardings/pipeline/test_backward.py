@@ -56,9 +56,9 @@ def test_b_then_w_is_the_whole_backward_bitwise(model, stage):
     cots = [torch.ones_like(o) if stage == "last" else torch.randn_like(o) for o in outs]
     whole = torch.autograd.grad(outs, inputs + leaves, cots, allow_unused=True)
     outs = forward()
-    in_grads, deferred = backward_input(outs, cots, inputs, leaves)
+    in_grads, pending = backward_input(outs, cots, inputs, leaves)
     del outs  # W needs only what B kept
-    weight_grads = backward_weight(deferred, leaves)
+    weight_grads = backward_weight(pending, leaves)
     for got, want in zip(list(in_grads) + weight_grads, whole):
         assert (got is None and want is None) or torch.equal(got, want)
 

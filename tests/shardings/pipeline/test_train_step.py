@@ -8,7 +8,7 @@ import core
 import models
 import shardings
 from shardings import Mesh, Rules, ShardingError, layouts
-from shardings.step import pipeline_step
+from shardings.step import pipeline_path
 from shardings.testing import EquivalenceError, check_equivalence
 
 GPT = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_len=8, mlp=64)  # 3 blocks on 2 stages
@@ -40,8 +40,8 @@ def test_moe_under_pp():
 
 
 def test_a_one_percent_error_in_a_microbatch_weight_is_caught(monkeypatch):
-    real_run = pipeline_step.run
-    monkeypatch.setattr(pipeline_step, "run", lambda sch, st, sp, p, mbs, w, **kw: real_run(
+    real_run = pipeline_path.run
+    monkeypatch.setattr(pipeline_path, "run", lambda sch, st, sp, p, mbs, w, **kw: real_run(
         sch, st, sp, p, mbs, [w[0] * 1.01, *w[1:]], **kw))
     with pytest.raises(EquivalenceError, match="'dp\\+pp'"):
         _check(models.gpt, GPT, ["dp+pp"], Mesh(dp=2, pp=2), "1f1b", steps=1)
@@ -90,10 +90,13 @@ def test_bad_input_is_refused_before_any_work(user_preset):
         with pytest.raises(ShardingError, match="not divisible"):
             step(params, step.init(params), models.gpt.example_batch(GPT, 8))
     one_layer = models.gpt.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, seq_len=8, mlp=64)
-    with shardings.simulate(2):
-        params = shardings.init(models.gpt.init, core.random.key(0), one_layer, axes=models.gpt.axes(one_layer),
-                                layout="pp", mesh=mesh)
-        step = shardings.train_step(models.gpt.stages(one_layer), core.optim.sgd(0.1), layout="pp", mesh=mesh)
+    with shardings.simulate(2):  # init makes the pipeline plan (its split) too: the same error, before any work
         with pytest.raises(ValueError, match="1 blocks cannot fill 2 stages"):
-            step.init(params)
+            shardings.init(models.gpt.init, core.random.key(0), one_layer, axes=models.gpt.axes(one_layer),
+                           layout="pp", mesh=mesh)
+        params = shardings.init(models.gpt.init, core.random.key(0), GPT, axes=models.gpt.axes(GPT), layout="pp",
+                                mesh=mesh)
+        step = shardings.train_step(models.gpt.stages(one_layer), core.optim.sgd(0.1), layout="pp", mesh=mesh)
+        with pytest.raises(ValueError, match="1 blocks cannot fill 2 stages"):  # the step's plan, from these params
+            step.init({**params, "blocks": params["blocks"][:1]})
     assert torch.is_tensor(params["embed"])

@@ -7,7 +7,7 @@ import core
 import models
 import shardings
 from shardings import Mesh
-from shardings.step import stage_state
+from shardings.step import ownership
 from shardings.testing import check_equivalence
 
 # 5 blocks on 4 stages; a tied embedding: its gradient is summed from the first and the last rank
@@ -53,7 +53,7 @@ def _held(cfg, batch) -> dict:
                                 microbatches=4)
     state = step.init(params)
     params, state, metrics = step(params, state, batch)
-    held = [path for path, x in core.tree.leaves_with_path(params) if not stage_state.is_placeholder(x)]
+    held = [path for path, x in core.tree.leaves_with_path(params) if not ownership.is_absent(x)]
     return {"blocks": sorted({p[1].idx for p in held if getattr(p[0], "key", None) == "blocks"}),
             "params": metrics["memory"]["params"], "opt_state": metrics["memory"]["opt_state"]}
 

@@ -43,7 +43,9 @@ def _expected(step, params, metrics):
     """d2h/h2d bytes the layout's host roles should move in one step, from the bytes those roles hold."""
     host = step.layout.host
     with torch.no_grad():
-        blocks = accounting.memory(step._to("opt_state", core.tree.leaves(params)))  # the update's param blocks
+        placements = step.plan(params).placements["opt_state"]  # the update's param blocks
+        blocks = accounting.memory([x.redistribute(x.device_mesh, pl) for x, pl in zip(core.tree.leaves(params),
+                                                                                       placements)])
     stored = accounting.memory(params)
     d2h = (metrics["memory"]["grads"] + blocks if "opt_state" in host else 0) + (stored if "params" in host else 0)
     h2d = (blocks if "opt_state" in host else 0) + (stored if "params" in host else 0)

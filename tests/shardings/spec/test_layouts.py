@@ -1,4 +1,5 @@
-"""shardings.spec.layouts: presets, composition, early errors, and DESIGN §4's table as resolved specs."""
+"""shardings.spec.layouts: presets, composition, early errors, and the layout table of docs/layouts.md as resolved
+specs."""
 
 import pytest
 from hypothesis import given
@@ -67,7 +68,8 @@ def roles(default, **override):
     return {**dict.fromkeys(ROLES, default), **override}
 
 
-# DESIGN §4, one row per layout: (layout, mesh, {role: weight specs}, tokens spec, activation specs).
+# docs/layouts.md's layout table, one row per layout:
+# (layout, mesh, {role: weight specs}, tokens spec, activation specs).
 TABLE = [
     ("dp", MESH, roles(REPLICATED), P("dp"), DP_ACTS),
     ("zero1", MESH, roles(REPLICATED, opt_state=zero("dp")), P("dp"), DP_ACTS),

@@ -1,5 +1,5 @@
 """ep layouts (models.moe): persistent bytes per rank per role and the collectives of one step, from formulas
-(DESIGN §4's ep row, §6)."""
+(the ep row of docs/layouts.md's layout table)."""
 
 import functools
 import math
@@ -42,7 +42,7 @@ def _ep_memory(divisors):
 
 
 def _ep_comm(layout, mesh, rows):
-    """Kinds, axes, counts and bytes of one step, from the model's sizes (DESIGN §4's ep row, §6's formulas)."""
+    """Kinds, axes, counts and bytes of one step, from the model's sizes (docs/layouts.md's ep row)."""
     dense, expert, n_dense, n_leaves, moe_layers, root = _moe_sizes(MOE_2)
     ep, dp = mesh["ep"], mesh.get("dp", 1)
     local = 4 * (dense + expert // ep)  # a rank's share of the weights: experts split over ep

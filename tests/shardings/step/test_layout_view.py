@@ -9,7 +9,8 @@ import models.gpt as gpt
 import models.moe as moe
 import shardings
 from shardings import Mesh, P
-from shardings.step.layout_view import ROLES, describe
+from shardings.spec.layouts import PARAM_ROLES as ROLES
+from shardings.step.layout_view import describe
 
 CFG = gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, mlp=64, seq_len=8)
 

@@ -93,7 +93,7 @@ def test_the_grad_norm_metric_is_the_norm_of_the_single_device_gradients(layout,
     assert metrics["grad_norm"] == pytest.approx(float(want), rel=1e-5)
 
 
-# -- collectives: kinds, counts, axes and bytes of one step (DESIGN §4/§6) ----------------------------------
+# -- collectives: kinds, counts, axes and bytes of one step (docs/layouts.md's tables) ---------------------------------
 
 
 def _one_step_comm(layout, mesh, cfg=CFG, batch_size=4, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True):
@@ -191,7 +191,7 @@ def test_zero3_gathers_forward_regathers_backward_and_reduce_scatters():
     four_p = sum(4 * x.numel() for x in tree.leaves(params))
     # Local path, one bucket per block plus one for the rest (FSDP's units): each all-gathered for
     # forward, the blocks' again in backward (the rest stays gathered, as FSDP2's root module does),
-    # then reduce-scattered: DESIGN §6's 1.5× dp, less the root's backward gather.
+    # then reduce-scattered: docs/layouts.md's 1.5× dp, less the root's backward gather.
     units, root = CFG.layers + 1, 4 * sum(params[k].numel() for k in ("embed", "final_norm", "unembed"))
     assert comm == {
         ("all_gather", "dp"): (2 * units - 1, _ring("all_gather", n, 2 * four_p - root)),
@@ -253,7 +253,7 @@ def test_sp_turns_tp_all_reduces_into_all_gather_and_reduce_scatter():
     assert set(comm) == {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp")}
 
 
-# -- memory: persistent bytes per rank (DESIGN §6) -------------------------------------------------------
+# -- memory: persistent bytes per rank (docs/layouts.md's memory table) ------------------------------------------------
 
 
 @pytest.mark.parametrize(

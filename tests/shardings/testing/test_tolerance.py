@@ -12,6 +12,7 @@ import core
 import models.gpt as gpt
 from shardings import Mesh
 from shardings.testing import EquivalenceError, assert_close, check_equivalence, diff, tolerance
+from shardings.testing.tolerance import FLOOR_ULPS, largest
 
 shapes = st.lists(st.integers(1, 7), min_size=0, max_size=3).map(tuple)
 magnitudes = st.sampled_from([1e-30, 1e-6, 1.0, 3e4, 1e30])
@@ -63,6 +64,46 @@ def test_shape_structure_and_nonfinite_mismatches_fail():
         assert_close({"a": torch.ones(1), "b": torch.ones(2)}, {"a": torch.ones(1), "b": torch.zeros(2)})
     with pytest.raises(ValueError, match="terms must be >= 1"):
         tolerance(torch.ones(1), terms=0)
+
+
+# -- where the truth is zero: the tree's floor -------------------------------------------------------------------
+
+
+def _grad_like_tree(seed=0):
+    """A gradient tree like the BERT-style encoder's: a leaf of size ~0.4, one at 3.4e-4 of it (its ``bq``),
+    and a key bias whose truth is exactly 0."""
+    gen = torch.Generator().manual_seed(seed)
+    large = torch.randn(64, generator=gen)
+    small = torch.randn(8, generator=gen)
+    return {"large": 0.44 * large / large.abs().max(), "bq": 1.5e-4 * small / small.abs().max(), "bk": torch.zeros(8)}
+
+
+def test_a_leaf_whose_truth_is_zero_is_judged_on_the_rounding_of_its_tree():
+    want = _grad_like_tree()
+    noise = {**want, "bk": torch.full((8,), 4e-9)}  # rounding that cancelled differently (issue 29: 4e-9)
+    assert_close(noise, want, terms=64)
+    with pytest.raises(AssertionError, match=r"at \['bk'\]"):  # alone, a zero has no scale: any noise fails
+        assert_close({"bk": noise["bk"]}, {"bk": want["bk"]}, terms=64)
+    floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * 0.44
+    assert tolerance(want["bk"], terms=64, floor=largest(want)).atol == pytest.approx(floor)
+    wrong = {**want, "bk": torch.full((8,), 2 * floor)}  # twice the floor: more than rounding of the tree
+    with pytest.raises(AssertionError, match=r"at \['bk'\]"):
+        assert_close(wrong, want, terms=64)
+
+
+@pytest.mark.parametrize("terms", [1, 64, 4096])
+def test_a_one_percent_error_in_a_small_but_nonzero_leaf_still_fails(terms):
+    want = _grad_like_tree()
+    with pytest.raises(AssertionError, match=r"at \['bq'\]"):
+        assert_close({**want, "bq": want["bq"] * 1.01}, want, terms=terms)
+    assert_close({**want, "bq": torch.nextafter(want["bq"], torch.full_like(want["bq"], math.inf))}, want, terms=terms)
+
+
+def test_the_floor_is_the_largest_magnitude_of_the_tree_and_changes_nothing_for_one_tensor():
+    assert largest({"a": torch.tensor([1.0, -3.0]), "b": [torch.zeros(2), torch.tensor([math.inf])]}) == 3.0
+    assert largest({"ids": torch.tensor([7, 9])}) == 0.0  # integers have no rounding
+    x = torch.randn(16, generator=torch.Generator().manual_seed(3))
+    assert tolerance(x, terms=4, floor=largest(x)) == tolerance(x, terms=4)  # 8 ulps < 32·√terms ulps
 
 
 # -- the rule inside check_equivalence: a 1% error in one gradient is caught ------------------------------

@@ -1,0 +1,136 @@
+"""The update every gradient path shares: clipping, the optimizer on the leaves this process holds, the norm.
+
+Whatever path made the gradients (local, DTensor or pipeline), they arrive reduced and laid out like the
+optimizer state. :func:`update` clips them to the global norm, runs the optimizer in the ``opt_state`` layout
+and puts the new parameters back in storage layout:
+
+- an elementwise optimizer (``adamw``, ``sgd``, ...) updates each rank's local blocks
+  (``local_step.update_blocks``: torch's fused kernel where it has one, in place when donated); on the local
+  path ``local_step.apply`` also re-gathers ZeRO-1/2's updated shards in buckets;
+- any other runs its pure update on the DTensors.
+
+The :class:`~shardings.step.ownership.Ownership` of the step's plan says which leaves take part: all of them,
+except for pipeline stages on real ranks, where a rank updates its own blocks and the parameters outside the
+blocks (the other leaves, absent there, come back as they were), and where the global norm adds up each stage's
+part (:func:`~shardings.step.ownership.global_norm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import core
+from core import tree
+from shardings.comm import flat_comm
+from shardings.step import local_step, ownership
+from shardings.step.ownership import Ownership, is_absent
+
+if TYPE_CHECKING:
+    from shardings.step.train_step import ParamPlan, TrainStep
+
+__all__ = ["grad_norm", "merge", "select", "update"]
+
+
+def _placed(leaves: Sequence[Any], placements: Sequence[Any]) -> list[Any]:
+    return [x.redistribute(x.device_mesh, pl) for x, pl in zip(leaves, placements)]
+
+
+def grad_norm(step: TrainStep, own: Ownership, grads: Any) -> torch.Tensor:
+    """The global norm of reduced gradients, the ``grad_norm`` metric: local blocks and a few scalar all-reduces
+    (``local_step.global_norm``), or each stage's part summed over ``pp`` where stages hold different leaves."""
+    if not own.whole:
+        return ownership.global_norm(own, tree.leaves(grads))
+    norm = local_step.global_norm(step.mesh, tree.leaves(grads))
+    return core.optim.global_norm(grads) if norm is None else norm
+
+
+def _clipped(step: TrainStep, own: Ownership, grads: Any, clip_state: Any) -> Any:
+    """``grads`` scaled to the step's ``clip_norm`` by the global norm of every stage's gradients."""
+    if own.whole:  # core's clip: the norm of the global (DTensor) gradients
+        return step.clip.update(grads, clip_state)[0]
+    factor = (step.clip_norm / (ownership.global_norm(own, tree.leaves(grads)) + 1e-6)).clamp(max=1.0)
+    return tree.map(lambda g: g if is_absent(g) else g * factor.to(g.dtype), grads)
+
+
+def update(step: TrainStep, plan: ParamPlan, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+    """The optimizer's update (``TrainStep.apply`` without the loss scale's skip); grads in the params' dtype.
+
+    Returns:
+        ``(params, opt_state)``: params in storage layout.
+    """
+    clip_state, state = (opt_state[0], opt_state[1]) if step.clip is not None else (None, opt_state)
+    own, leaves = plan.ownership, tree.leaves(params)
+    opt_pl, storage = plan.placements["opt_state"], plan.placements["params"]
+    elementwise = getattr(step.inner, "elementwise", False)
+    with torch.no_grad():
+        if step.clip is not None:
+            grads = _clipped(step, own, grads, clip_state)
+        g = tree.leaves(grads)
+        if not own.whole:  # pipeline stages on real ranks: this rank's leaves only
+            new, state = _update_held(step.inner, plan.treedef, leaves, g, state, own.held(len(leaves)), opt_pl,
+                                      storage, step.donate)
+        elif not elementwise:
+            p_opt = tree.unflatten(plan.treedef, _placed(leaves, opt_pl))
+            updates, state = step.inner.update(grads, state, p_opt)
+            new = _placed(tree.leaves(core.optim.apply_updates(p_opt, updates)), storage)
+        elif plan.local is not None:
+            new, state = local_step.apply(plan.local, step.mesh, step.inner, plan.treedef, leaves, state, g, opt_pl,
+                                          storage, donate=step.donate, offload=step.offload_opt)
+        else:
+            p_opt = _placed(leaves, opt_pl)
+            blocks, state = local_step.update_blocks(step.inner, plan.treedef, [p.to_local() for p in p_opt], state,
+                                                     g, step.donate, step.offload_opt)
+            dm = step.mesh.device_mesh
+            new = _placed([flat_comm.dtensor(x, dm, pl, p) for x, p, pl in zip(blocks, p_opt, opt_pl)], storage)
+    return tree.unflatten(plan.treedef, new), ((clip_state, state) if step.clip is not None else state)
+
+
+def _shaped_like(treedef: Any) -> Callable[[Any], bool]:
+    def check(x: Any) -> bool:
+        return not isinstance(x, torch.Tensor) and tree.structure(x) == treedef
+    return check
+
+
+def select(state: Any, treedef: Any, held: Sequence[int]) -> Any:
+    """``state`` (an optimizer state) with each params-shaped tree in it cut to the list of its ``held`` leaves."""
+    like = _shaped_like(treedef)
+    return tree.map(lambda x: [tree.leaves(x)[i] for i in held] if like(x) else x, state, is_leaf=like)
+
+
+def merge(state: Any, sub: Any, treedef: Any, held: Sequence[int]) -> Any:
+    """``state`` with the ``held`` leaves of each params-shaped tree replaced by ``sub``'s (:func:`select`'s)."""
+    like = _shaped_like(treedef)
+
+    def put(full: Any, part: Any) -> Any:
+        if not like(full):
+            return part
+        leaves = tree.leaves(full)
+        for i, x in zip(held, part):
+            leaves[i] = x
+        return tree.unflatten(treedef, leaves)
+
+    return tree.map(put, state, sub, is_leaf=like)
+
+
+def _update_held(optimizer: Any, treedef: Any, params: list[Any], grads: list[Any], state: Any, held: Sequence[int],
+                 opt_placements: list[Any], param_placements: list[Any], donate: bool) -> tuple[list[Any], Any]:
+    """One optimizer step on the ``held`` leaves (picked out of the params, the gradients and every params-shaped
+    tree in the optimizer state, such as Adam's moments); the others come back as they were."""
+    sub_def = tree.structure(list(held))
+    sub_state = select(state, treedef, held)
+    p_opt = [params[i].redistribute(params[i].device_mesh, opt_placements[i]) for i in held]
+    g = [grads[i] for i in held]
+    if getattr(optimizer, "elementwise", False):
+        blocks, sub_state = local_step.update_blocks(optimizer, sub_def, [p.to_local() for p in p_opt], sub_state, g,
+                                                     donate)
+        new = [flat_comm.dtensor(x, p.device_mesh, opt_placements[i], p) for x, p, i in zip(blocks, p_opt, held)]
+    else:
+        updates, sub_state = optimizer.update(list(g), sub_state, list(p_opt))
+        new = tree.leaves(core.optim.apply_updates(list(p_opt), updates))
+    out = list(params)
+    for i, x in zip(held, new):
+        out[i] = x.redistribute(x.device_mesh, param_placements[i])
+    return out, merge(state, sub_state, treedef, held)
