@@ -105,6 +105,10 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh  # doctest: +SKIP
     Mesh(dp=4)
     """
+    if str(cfg.layout) == "auto":  # the planner picks layout, mesh and pipeline (experiments.plan.auto)
+        from experiments.plan import auto
+
+        cfg = auto(cfg)
     module, model_cfg = _model(cfg.model)
     offload = cfg.get("offload") or {}
     if offload.get("activations"):

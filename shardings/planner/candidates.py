@@ -23,7 +23,8 @@ from shardings.pipeline.schedule import VIRTUAL_STAGES, stages_per_rank
 from shardings.spec import layouts
 from shardings.spec.errors import ShardingError
 
-__all__ = ["AXIS_ORDER", "PRECISIONS", "Candidate", "Space", "compositions", "enumerate_candidates", "mesh_text"]
+__all__ = ["AXIS_ORDER", "PRECISIONS", "Candidate", "Space", "compositions", "enumerate_candidates", "layout_of",
+           "mesh_text"]
 
 AXIS_ORDER = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # major to minor: tp innermost (one node), pp outermost
 PRECISIONS = ("fp32", "bf16", "fp16")  # core.precision.Policy names (experiments' precision group)
@@ -119,6 +120,12 @@ class Space:
     max_cp: int = 1
     max_pp: int = 16
     offload: bool = True
+
+
+@functools.lru_cache(maxsize=1024)
+def layout_of(name: str) -> layouts.Layout:
+    """``layouts.get(name)``, once per name (a search asks thousands of times; composing the tables is not free)."""
+    return layouts.get(name)
 
 
 @functools.cache

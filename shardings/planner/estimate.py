@@ -26,7 +26,7 @@ import torch
 
 from shardings.pipeline import build
 from shardings.planner import model_state
-from shardings.planner.candidates import Candidate
+from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.model_profile import Profile
 from shardings.planner.prediction import Prediction
 from shardings.spec import layouts
@@ -90,7 +90,7 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
         profiles: the model's one-device profile per ``(compute dtype, remat)``.
         period: the blocks' period.
     """
-    layout = layouts.get(cand.layout)
+    layout = layout_of(cand.layout)
     sizes = cand.sizes
     compute, reduce = DTYPES[cand.precision]
     stage = tuple((a, n) for a, n in sizes.items() if a != "pp") or (("dp", 1),)  # as Mesh.without("pp")

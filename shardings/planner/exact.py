@@ -28,10 +28,9 @@ import torch
 import core
 from shardings.pipeline import build
 from shardings.planner import estimate as estimates
-from shardings.planner.candidates import Candidate
+from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.prediction import Prediction
-from shardings.spec import layouts
 
 __all__ = ["exact", "pipeline_sends"]
 
@@ -46,7 +45,7 @@ def _policy(name: str) -> Any:
 @functools.lru_cache(maxsize=256)
 def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], rows: int, precision: str,
              microbatches: int, optimizer: Any) -> Measured:
-    pipelined = layouts.get(layout).pipelined
+    pipelined = layout_of(layout).pipelined
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches,
                    schedule="1f1b" if pipelined else None)
@@ -106,15 +105,21 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     Raises:
         ValueError, ShardingError: the step refuses the candidate (what ``shardings.train_step`` raises).
     """
-    layout = layouts.get(cand.layout)
+    layout = layout_of(cand.layout)
     la = 2 * period
     if not cand.pipelined:
-        mesh = tuple(cand.mesh)
-        points = {(L, 1): _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout,
-                                           mesh, rows, cand.precision, cand.microbatches, optimizer))
-                  for L in (la, la + period)}
-        at = _affine(points, period, cfg.layers, 1)
-        rank = total = at
+        mesh, m = tuple(cand.mesh), cand.microbatches
+        # accumulation repeats the microbatch: past 2 the counts are affine in m (runs at 1 and 2 microbatches of
+        # the candidate's size), and what is live at once (peak, roles) is the 2-microbatch run's
+        ks = (1, 2) if m > 2 else (m,)
+        points = {(L, k if m > 2 else 1): _values(_measure(
+                      model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout, mesh,
+                      rows // m * k, cand.precision, k, optimizer))
+                  for L in (la, la + period) for k in ks}
+        rank = total = _affine(points, period, cfg.layers, m)
+        if m > 2:
+            held = _affine({(L, 1): v for (L, k), v in points.items() if k == 2}, period, cfg.layers, 1)
+            rank |= {k: v for k, v in held.items() if k in ("peak", "at_entry") or k.startswith("role/")}
         blocks = cfg.layers
         sends = (0, 0)
     else:
@@ -159,7 +164,7 @@ def _carry_bytes(cfg: Any, rows: int, cand: Candidate) -> Fraction:
     rules: rows over the data axes, the sequence over cp, and over tp too under sp)."""
     if not cand.pipelined:
         return Fraction(0)
-    layout = layouts.get(cand.layout)
+    layout = layout_of(cand.layout)
     width = (estimates.DTYPES[cand.precision][0] or torch.float32).itemsize
     data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
     seq = cfg.seq_len // (cand.size("cp") * (cand.size("tp") if "sp" in layout.presets else 1))

@@ -21,7 +21,7 @@ import torch
 import core
 from core import deferred, tree
 from shardings.pipeline.stages import block_index
-from shardings.spec import layouts
+from shardings.planner.candidates import layout_of
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import logical_to_spec
 from shardings.step.initialize import param_specs
@@ -79,7 +79,7 @@ def _axes(spec: P) -> set[str]:
 def leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...], period: int) -> Leaves:
     """Per-role elements and transitions of every leaf, for ``cfg`` with ``period`` blocks, under ``layout`` on
     the mesh ``sizes`` (a pipelined layout's stage mesh: ``pp`` left out)."""
-    layout_ = layouts.get(layout)
+    layout_ = layout_of(layout)
     mesh = Mesh(dict(sizes))
     small = dataclasses.replace(cfg, layers=period)
     with deferred.deferred():

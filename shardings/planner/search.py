@@ -6,9 +6,11 @@
    peak by more than ``slack``, exceeds a rank's memory.
 3. The fastest estimates are run exactly (:mod:`shardings.planner.exact`: fake steps at two depths), best first,
    until ``top_k`` exact candidates fit and no estimate left is faster than the ``top_k``-th exact one, or
-   ``budget_s`` is spent. An exact candidate that does not fit is dropped with its numbers. The estimates leave
-   things out (the step's own ops and copies): each is scaled by the median ratio of exact to estimated time
-   seen so far, so the exact and the estimated rows rank on one scale.
+   ``budget_s`` is spent. An exact candidate that does not fit is dropped with its numbers, and so is an
+   estimate over the memory. An estimate that the exact runs so far say will not fit (its peak times their
+   median ratio of exact to estimated peak) is not run; it stays in the table, marked as an estimate. The
+   estimates leave things out (the step's own ops and copies): each is scaled by the median ratio of exact to
+   estimated time seen so far, so the exact and the estimated rows rank on one scale.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
         optimizer: the optimizer (default ``core.optim.adamw``).
         space: what to search besides layouts and meshes (:class:`~shardings.planner.Space`; default ``Space()``).
         top_k: how many candidates to predict exactly (fake steps), fastest estimates first.
-        budget_s: stop running exact predictions after this many seconds.
+        budget_s: stop running exact predictions after this many seconds (counted after the estimates).
         slack: drop a candidate whose *estimated* peak exceeds memory by more than this factor (model state
             alone: any excess).
         candidates: search these instead of enumerating (e.g. one layout to check).
@@ -98,11 +100,15 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
 
     exact: list[Row] = []
     ratios: list[float] = []  # exact / estimated step time of each candidate run exactly
+    peaks: list[float] = []  # and peak memory
+    exact_start = time.perf_counter()
     for row in estimated:
         scale = _median(ratios)
         kth = sorted(r.timing.total for r in exact)[top_k - 1] if len(exact) >= top_k else None
-        if (kth is not None and row.timing.total * scale >= kth) or time.perf_counter() - start > budget_s:
+        if (kth is not None and row.timing.total * scale >= kth) or time.perf_counter() - exact_start > budget_s:
             break
+        if row.prediction.peak * _median(peaks) > cluster.memory:  # the exact runs so far say it will not fit
+            continue
         try:
             pred = predict(row.candidate)
         except (ShardingError, ValueError, RuntimeError) as e:
@@ -110,14 +116,21 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
             continue
         timed = Row(pred, step_time(pred, cluster))
         ratios.append(timed.timing.total / row.timing.total)
+        peaks.append(pred.peak / row.prediction.peak)
         if pred.peak > cluster.memory:
             dropped[row.candidate] = describe_drop(pred, cluster)
             continue
         exact.append(timed)
     done = {r.candidate for r in exact} | set(dropped)
     scale = _median(ratios)  # what the estimates leave out, as the exact runs found it: scale the rest
-    ranked = exact + [Row(r.prediction, dataclasses.replace(r.timing, total=r.timing.total * scale))
-                      for r in estimated if r.candidate not in done]
+    ranked = list(exact)
+    for r in estimated:
+        if r.candidate in done:
+            continue
+        if r.prediction.peak > cluster.memory:  # within the slack (worth running exactly), but not run: no evidence
+            dropped[r.candidate] = describe_drop(r.prediction, cluster)
+            continue
+        ranked.append(Row(r.prediction, dataclasses.replace(r.timing, total=r.timing.total * scale)))
     return Ranking(ranked, dropped, cluster, time.perf_counter() - start, len(candidates), predict)
 
 
