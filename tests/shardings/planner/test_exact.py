@@ -61,14 +61,14 @@ def _predicted(cand: Candidate) -> dict:
     return {k: round(b) for k, (_, b) in pred.simulated.items() if round(b)}
 
 
-# Each example is a simulated step on 4-8 ranks and the planner's fake steps (~10-40 s on this machine): few
-# random draws, the explicit ones covering a pipeline with tp+sp in bf16 on 8 ranks, remat in a pipeline, offload
-# with accumulation, and context parallelism; no shrinking (a failing candidate is reported as drawn).
-@settings(max_examples=2, phases=(Phase.explicit, Phase.generate))
+# Each example is a simulated step on 4-8 ranks and the planner's fake steps (~20-40 s on this machine idle, minutes
+# loaded): one random draw, and explicit ones covering a pipeline with tp+sp in bf16 on 8 ranks, remat in a
+# zero-bubble pipeline, offload with accumulation; no shrinking (a failing candidate is reported as drawn).
+# HYPOTHESIS_PROFILE=explore draws more.
+@settings(max_examples=1, phases=(Phase.explicit, Phase.generate))
 @given(st.sampled_from(CANDIDATES[4] + CANDIDATES[8]))
 @example(Candidate("zero3+tp+sp+pp", (("pp", 2), ("dp", 2), ("tp", 2)), 4, "interleaved_1f1b", 2, False, "bf16"))
 @example(Candidate("dp+pp", (("pp", 2), ("dp", 2)), 2, "zb_h1", None, True, "fp32"))
 @example(Candidate("hsdp+offload_optimizer", (("dp", 2), ("fsdp", 2)), 2, None, None, True, "fp32"))
-@example(Candidate("dp+cp", (("dp", 2), ("cp", 2)), 1, None, None, False, "bf16"))
 def test_predicted_bytes_equal_a_simulated_step(cand):
     assert _predicted(cand) == _simulated(cand)
