@@ -52,6 +52,9 @@ def loss(setup: Setup) -> Callable[[Any, Any], Any]:
     return functools.partial(setup.model.loss, cfg=setup.model_cfg)
 
 
+_INTERFACE = ("Config", "init", "axes", "loss", "example_batch")
+
+
 def model(conf: Any) -> tuple[ModuleType, Any]:
     """The model module and its ``Config`` a ``model`` config node names (``ConfigError`` if it cannot)."""
     return _model(conf)
@@ -59,10 +62,21 @@ def model(conf: Any) -> tuple[ModuleType, Any]:
 
 def _model(conf: Any) -> tuple[ModuleType, Any]:
     name = conf.name
-    try:
-        module = importlib.import_module(name) if "." in name else models.get(name)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
+    hint = (f"use one of {models.names()} or a module path like `mypkg.my_model` whose module has "
+            f"{'/'.join(_INTERFACE)}")
+    if "." in name:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"model.name={name}: cannot import it ({e}). Fix: {hint}, importable from "
+                              f"sys.path (PYTHONPATH).") from None
+        missing = [a for a in _INTERFACE if not hasattr(module, a)]
+        if missing:
+            raise ConfigError(f"model.name={name}: the module has no {missing}. Fix: {hint}.")
+    elif name in models.names():
+        module = models.get(name)
+    else:
+        raise ConfigError(f"model.name={name}: unknown model. Fix: {hint}.")
     try:
         return module, module.Config(**dict(conf.config))
     except (TypeError, ValueError) as e:

@@ -22,6 +22,11 @@ the mesh axis ``pp``; the ``pipeline`` node (not a group: set its fields) picks 
 microbatches (``pipeline.schedule=gpipe pipeline.microbatches=4``) and, optionally, the blocks per stage
 (``pipeline.stage_sizes=[3,1]``); ``experiments.build`` makes the run's pipeline plan from them.
 
+``model.name`` may be a dotted module path with the model interface (``model.name=mypkg.my_model``): its
+``Config`` is built from its own defaults and the ``model.config.*`` fields set on the command line only (never
+the default member's fields), see :func:`own_model`; any of its fields may be set without a ``+``
+(:func:`app_overrides`).
+
 Nothing is registered at import: the apps call :func:`register` in their entry points.
 
 The primary configs are ``train`` (``python -m experiments.train``) and ``equivalence``
@@ -31,10 +36,12 @@ The primary configs are ``train`` (``python -m experiments.train``) and ``equiva
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, open_dict
 
 import models
 
@@ -54,6 +61,8 @@ __all__ = [
     "PrecisionConf",
     "RuntimeConf",
     "TrainConf",
+    "app_overrides",
+    "own_model",
     "register",
 ]
 
@@ -266,3 +275,34 @@ def register() -> ConfigStore:
     cs.store(name="train", node=TrainConf)
     cs.store(name="equivalence", node=EquivalenceConf)
     return cs
+
+
+_MODEL_CONFIG = "model.config."
+
+
+def app_overrides(overrides: Sequence[str]) -> list[str]:
+    """The apps' command-line overrides as Hydra takes them: ``model.config.<field>=v`` becomes ``++`` (add or
+    override), so any field of the model's ``Config`` can be set — a custom model's fields are not among the
+    default member's. ``build`` refuses a field the model's ``Config`` lacks, listing its fields.
+
+    >>> app_overrides(["model.config.classes=6", "layout=dp", "+model.config.dim=8"])
+    ['++model.config.classes=6', 'layout=dp', '+model.config.dim=8']
+    """
+    return [f"++{o}" if o.startswith(_MODEL_CONFIG) else o for o in overrides]
+
+
+def own_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``cfg`` with ``model.config`` holding only the fields set in ``overrides`` when ``model.name`` is set there.
+
+    A ``model`` group member fills ``model.config`` with its own model's fields (``gpt_tiny``: ``dim=64``, ...);
+    with another module named (``model.name=mypkg.my_model``) those belong to the wrong model, so the named
+    module's ``Config`` gets its own defaults and the ``model.config.*`` fields given alongside. Both apps call
+    this on the composed config with the overrides they composed it from.
+    """
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    if "model.name" not in keys or "model.config" in keys:  # no other model, or its whole config given
+        return cfg
+    given = {k.removeprefix(_MODEL_CONFIG).split(".")[0] for k in keys if k.startswith(_MODEL_CONFIG)}
+    with open_dict(cfg):
+        cfg.model.config = {k: v for k, v in cfg.model.config.items() if k in given}
+    return cfg

@@ -13,7 +13,10 @@ warmup), so every compared step moves the parameters. Overrides use Hydra's synt
 
 ``model.name`` may be a dotted module path with the model interface (``Config``, ``init``,
 ``axes``, ``loss``, ``example_batch``, and ``stages`` for a layout with ``pp``): that is how a custom
-model is checked.
+model is checked. Its ``Config`` gets its own defaults and the ``model.config.*`` fields given with it, nothing of
+the default model's::
+
+    python -m experiments.equivalence model.name=mypkg.my_model model.config.classes=6 layout=zero3+tp mesh=dp2_tp2
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from hydra import compose, initialize
 from hydra.errors import HydraException
 
 from experiments.build import ConfigError, build, optimizer
-from experiments.config import register
+from experiments.config import app_overrides, own_model, register
 from shardings.testing import check_equivalence
 
 __all__ = ["main"]
@@ -37,11 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["model=mlp", "layout=zero3", "mesh=dp2", "steps=2"])  # doctest: +SKIP
     0
     """
-    overrides = list(sys.argv[1:] if argv is None else argv)
+    overrides = app_overrides(sys.argv[1:] if argv is None else argv)
     register()
     try:
         with initialize(version_base="1.3", config_path=None):
-            cfg = compose("equivalence", overrides=overrides)
+            cfg = own_model(compose("equivalence", overrides=overrides), overrides)
         setup = build(cfg, batch_size=cfg.batch_size)
     except (ConfigError, HydraException) as e:
         print(f"error: {e}", file=sys.stderr)

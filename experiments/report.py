@@ -10,12 +10,17 @@ directory itself):
   loss, tokens/s, comm bytes per step by collective kind, memory per rank (params, grads, optimizer
   state, total);
 - ``loss.png`` (loss curves overlaid, and each run's difference to the first: :func:`loss_curves`),
-  ``memory.png`` (stacked memory per rank per run) and ``comm.png`` (comm bytes per step by kind per run);
+  ``memory.png`` (stacked memory per rank per run), ``comm.png`` (comm bytes per step per run, stacked by
+  collective kind on mesh axis: :func:`comm_by_axis`) and ``throughput.png`` (tokens/s per run, runs on
+  simulated ranks hatched and said to be ~20× below real processes: :func:`throughput`);
 - ``layout_<i>.png`` for each run that wrote ``layout.json`` (``shardings.describe_layout``): per
-  parameter group and role the spec, shaded by the share of the tensor a rank holds, beside the
-  step's collectives by kind × mesh axis;
+  parameter group and role the spec, shaded by the share of the tensor a rank holds (a colour bar says so),
+  beside the step's collectives by kind × mesh axis;
 - ``gantt_planned_<i>.png`` and ``gantt_measured_<i>.png`` for each run that wrote
   ``pipeline_timeline.json`` (``experiments.gantt.save``): each rank's F, B, W, sends/receives and idle time.
+
+``<i>`` is the job's number in the sweep (its place in the job list, skipped and failed jobs counted), and every
+run's label starts with ``#<i>``; a job that did not run gets a ``layout_<i>.png`` saying so.
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
+import yaml
 
 from experiments import gantt
 
-__all__ = ["collect", "draw_layout", "jobs", "loss_curves", "main", "write_report"]
+__all__ = ["SIMULATED_NOTE", "collect", "comm_by_axis", "draw_layout", "jobs", "loss_curves", "main", "throughput",
+           "write_report"]
 
 _MEMORY = ("params", "grads", "opt_state")
+SIMULATED_NOTE = "simulated ranks (one process): ~20× below real processes, not a throughput measure"
 
 
 def _overrides(run: Path) -> list[str]:
@@ -51,6 +59,14 @@ def _labels(runs: list[Path]) -> list[str]:
     overrides = [_overrides(r) for r in runs]
     common = set.intersection(*map(set, overrides)) if len(runs) > 1 else set()
     return [" ".join(o for o in ov if o not in common) or r.name for r, ov in zip(runs, overrides)]
+
+
+def _runtime(run: str | Path) -> str | None:
+    """The run's ``runtime.kind`` (``simulate``, ``multiprocess``, ``torchrun``) from its ``config.yaml``."""
+    for path in (Path(run, "config.yaml"), Path(run, ".hydra", "config.yaml")):
+        if path.exists():
+            return (yaml.safe_load(path.read_text()) or {}).get("runtime", {}).get("kind")
+    return None
 
 
 def _job_order(path: Path) -> list[Any]:
@@ -98,14 +114,15 @@ def _job_lines(all_jobs: list[dict[str, Any]]) -> list[str]:
 
 def _rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     kinds = sorted({k for r in runs for k in r["summary"]["comm_bytes_by_kind"]})
-    header = ["run", "layout", "mesh", "steps", "final_loss", "tokens_per_s", *[f"comm_{k}" for k in kinds],
+    header = ["job", "run", "layout", "mesh", "steps", "final_loss", "tokens_per_s", *[f"comm_{k}" for k in kinds],
               "comm_total", *[f"mem_{m}" for m in _MEMORY], "mem_total"]
     rows = []
     for r in runs:
         s = r["summary"]
         mesh = ",".join(f"{a}={n}" for a, n in s["mesh"].items())
         comm = [round(s["comm_bytes_by_kind"].get(k, 0)) for k in kinds]
-        rows.append([r["label"], s["layout"], mesh, s["steps"], round(s["final_loss"], 4), round(s["tokens_per_s"], 1),
+        rows.append([r.get("job", len(rows)), r["label"], s["layout"], mesh, s["steps"], round(s["final_loss"], 4),
+                     round(s["tokens_per_s"], 1),
                      *comm, round(s["comm_bytes_per_step"]), *[s["memory"][m] for m in _MEMORY], s["memory_per_rank"]])
     return header, rows
 
@@ -131,6 +148,59 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float]], title: 
     plt.close(fig)
 
 
+def comm_by_axis(runs: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per ``"<kind> on <axis>"``, each run's bytes sent per rank per step (mean over its steps): ``comm.png``'s
+    series. A run whose records hold no collective rows counts by kind alone (``"<kind>"``), from its summary.
+
+    >>> comm_by_axis([{"records": [{"comm": [{"kind": "all_gather", "axis": "dp", "bytes": 8}]}]}])
+    {'all_gather on dp': [8.0]}
+    """
+    per_run: list[dict[str, float]] = []
+    for r in runs:
+        records = r.get("records") or []
+        found: dict[str, float] = {}
+        for rec in records:
+            for row in rec.get("comm", []):
+                key = f"{row['kind']} on {row['axis']}"
+                found[key] = found.get(key, 0.0) + row["bytes"] / len(records)
+        per_run.append(found or dict(r.get("summary", {}).get("comm_bytes_by_kind", {})))
+    keys = sorted({k for found in per_run for k in found})
+    return {k: [found.get(k, 0.0) for found in per_run] for k in keys}
+
+
+def throughput(runs: Sequence[dict[str, Any]], path: str | Path) -> list[str]:
+    """``throughput.png``: tokens/s per run; runs on simulated ranks hatched, the legend says they are ~20× below
+    real processes (:data:`SIMULATED_NOTE`). Returns the legend's entries."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(runs)), 4))
+    kinds = [_runtime(r["dir"]) if "dir" in r else None for r in runs]
+    legend: dict[str, Any] = {}
+    for i, (r, kind) in enumerate(zip(runs, kinds)):
+        simulated = kind == "simulate"
+        name = SIMULATED_NOTE if simulated else f"real processes ({kind})" if kind else "runtime not recorded"
+        bar = ax.bar(i, r["summary"]["tokens_per_s"], color="lightgray" if simulated else "tab:blue",
+                     hatch="//" if simulated else None, edgecolor="gray")
+        legend.setdefault(name, bar)
+    ax.set_xticks(range(len(runs)), [f"#{r.get('job', i)} {r['label']}" for i, r in enumerate(runs)], rotation=20)
+    ax.set_ylabel("tokens/s (after the first step)")
+    ax.set_title("throughput per job")
+    ax.legend(legend.values(), legend.keys(), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return list(legend)
+
+
+def _placeholder(job: dict[str, Any], path: Path) -> Path:
+    """``layout_<i>.png`` of a job that did not run: its number, label, status and why."""
+    fig, ax = plt.subplots(figsize=(8, 2))
+    ax.text(0.5, 0.5, f"#{job['job']} {job['label']}: {job['status']}\n{job.get('reason') or ''}"[:400], ha="center",
+            va="center", wrap=True, fontsize=9)
+    ax.set_axis_off()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def _spec_text(spec: list[Any]) -> str:
     entry = lambda e: "·" if e is None else e if isinstance(e, str) else "(" + ",".join(e) + ")"
     return " ".join(entry(e) for e in spec)
@@ -143,14 +213,17 @@ def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
     fig, (table, bars) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.32 * max(len(rows), 6)),
                                       gridspec_kw={"width_ratios": [3, 2]})
     shares = [[r["shares"][k] for k in roles] for r in rows]
-    table.imshow(shares, cmap="Blues_r", vmin=0, vmax=1, aspect="auto")
+    image = table.imshow(shares, cmap="Blues_r", vmin=0, vmax=1, aspect="auto")
+    fig.colorbar(image, ax=table, fraction=0.04, pad=0.01,
+                 label="share of the tensor one rank holds (1: all; cell text: spec per dim, · = not split)")
     for i, r in enumerate(rows):
         for j, k in enumerate(roles):
             share = r["shares"][k]
             label = _spec_text(r["specs"][k]) + ("" if share == 1 else f"  1/{round(1 / share)}")
             table.text(j, i, label, ha="center", va="center", fontsize=7, color="white" if share < 0.4 else "black")
     table.set_xticks(range(len(roles)), ["storage", "compute", "grads", "opt state"])
-    table.set_yticks(range(len(rows)), [r["group"] for r in rows], fontsize=7)
+    pp = lambda r: "" if r.get("pp_rank", -1) == -1 else f"  [pp {'all' if r['pp_rank'] is None else r['pp_rank']}]"
+    table.set_yticks(range(len(rows)), [r["group"] + pp(r) for r in rows], fontsize=7)
     table.xaxis.tick_top()
     mesh = ", ".join(f"{a}={n}" for a, n in view["mesh"].items())
     table.set_title(f"{view['layout']} on ({mesh}): spec per dim (· whole), share per rank", fontsize=9)
@@ -206,6 +279,7 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    runs, all_jobs = _numbered(runs, list(all_jobs))
     header, rows = _rows(runs)
     with open(out / "report.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
@@ -213,19 +287,30 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
     (out / "report.md").write_text(
         f"# Sweep report: {_counts(all_jobs) if all_jobs else f'{len(runs)} runs'}\n\n{jobs_md}"
         "Comm is bytes sent per rank per step (mean over steps); memory is bytes held per rank after the "
-        f"last step.\n\n{_markdown(header, rows)}\n\n![loss](loss.png)\n\n![memory](memory.png)\n\n![comm](comm.png)\n"
+        f"last step. Tokens/s of runs on simulated ranks (one process) are ~20× below real processes' and are "
+        f"no throughput measure.\n\n{_markdown(header, rows)}\n\n![loss](loss.png)\n\n![memory](memory.png)\n\n"
+        "![comm](comm.png)\n\n![throughput](throughput.png)\n"
     )
     loss_curves(runs, out / "loss.png")
-    labels = [r["label"] for r in runs]
+    labels = [f"#{r['job']} {r['label']}" for r in runs]
     _bars(out / "memory.png", labels, {m: [r["summary"]["memory"][m] for r in runs] for m in _MEMORY},
           "memory per rank")
-    kinds = sorted({k for r in runs for k in r["summary"]["comm_bytes_by_kind"]})
-    _bars(out / "comm.png", labels, {k: [r["summary"]["comm_bytes_by_kind"].get(k, 0) for r in runs] for k in kinds},
-          "comm per step per rank")
-    layouts = [draw_layout(json.loads(Path(r["dir"], "layout.json").read_text()), out / f"layout_{i}.png")
-               for i, r in enumerate(runs) if Path(r["dir"], "layout.json").exists()]
-    gantts = [p for i, r in enumerate(runs) for p in gantt.draw_run(r["dir"], out, i)]
-    return [out / n for n in ("report.md", "report.csv", "loss.png", "memory.png", "comm.png")] + layouts + gantts
+    _bars(out / "comm.png", labels, comm_by_axis(runs), "comm per step per rank, by collective and mesh axis")
+    throughput(runs, out / "throughput.png")
+    layouts = [draw_layout(json.loads(Path(r["dir"], "layout.json").read_text()), out / f"layout_{r['job']}.png")
+               for r in runs if Path(r["dir"], "layout.json").exists()]
+    layouts += [_placeholder(j, out / f"layout_{j['job']}.png") for j in all_jobs if j["status"] != "ran"]
+    gantts = [p for r in runs for p in gantt.draw_run(r["dir"], out, r["job"])]
+    names = ("report.md", "report.csv", "loss.png", "memory.png", "comm.png", "throughput.png")
+    return [out / n for n in names] + layouts + gantts
+
+
+def _numbered(runs: list[dict[str, Any]], all_jobs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict]]:
+    """Runs and jobs with ``job``: the number of each in the job list (a run's place among the runs when no job list
+    is given), so the table's job column and the pictures name the same job whatever did not run."""
+    numbers = {j["dir"]: i for i, j in enumerate(all_jobs)}
+    return ([{**r, "job": numbers.get(r.get("dir"), i)} for i, r in enumerate(runs)],
+            [{**j, "job": i} for i, j in enumerate(all_jobs)])
 
 
 def _counts(all_jobs: list[dict[str, Any]]) -> str:
@@ -251,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no runs (summary.json + metrics.jsonl) under {' '.join(args.root)}. Fix: pass the directory "
               "a `python -m experiments.train -m ...` sweep printed.", file=sys.stderr)
         return 1
+    runs = _numbered(runs, all_jobs)[0]
     paths = write_report(runs, args.out or args.root[0], all_jobs)
     print(_markdown(*_rows(runs)))
     print("\nwrote " + ", ".join(str(p) for p in paths))

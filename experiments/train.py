@@ -53,7 +53,7 @@ import core
 import shardings
 from experiments import plan
 from experiments.build import ConfigError, Setup, build, loss, optimizer, pretrained
-from experiments.config import register
+from experiments.config import app_overrides, own_model, register
 from experiments.data import DataState, Packed, load_corpus
 from experiments.progress import Progress
 from shardings import checkpoint, maybe_disable_local_tensor_mode, unwrap
@@ -202,7 +202,7 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         # The step at a glance, for experiments.report's layout_<i>.png: specs per role and a step's collectives.
         view = shardings.describe_layout(params, axes, setup.layout, setup.mesh,
-                                         comm=records[-1]["comm"] if records else None)
+                                         comm=records[-1]["comm"] if records else None, plan=setup.plan)
         Path(out_dir, "layout.json").write_text(json.dumps(view.to_dict(), indent=1) + "\n")
         if setup.plan is not None and step.last is not None:  # pp: the last step's schedule as planned and as it ran
             from experiments import gantt  # matplotlib: only for pipeline runs
@@ -285,6 +285,7 @@ def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
 def main() -> None:
     """``python -m experiments.train [overrides]``: register the configs, then run the Hydra app (:func:`app`)."""
     register()
+    sys.argv[1:] = app_overrides(sys.argv[1:])  # any field of the model's Config, without a '+'
     app()
 
 
@@ -300,7 +301,7 @@ def app(cfg: DictConfig) -> float:
     out_dir, sweeping = hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN
     job = " ".join(hydra_cfg.overrides.task)
     try:
-        summary = run(cfg, out_dir)
+        summary = run(own_model(cfg, hydra_cfg.overrides.task), out_dir)
     except ConfigError as e:
         _write_status(out_dir, "skipped", str(e))
         if sweeping:

@@ -4,9 +4,18 @@ from types import ModuleType
 
 from models import gpt, mlp, moe
 
-__all__ = ["get", "gpt", "mlp", "moe"]
+__all__ = ["get", "gpt", "mlp", "moe", "names"]
 
 _MODELS = {"gpt": gpt, "mlp": mlp, "moe": moe}
+
+
+def names() -> list[str]:
+    """The names :func:`get` knows, sorted.
+
+    >>> names()
+    ['gpt', 'mlp', 'moe']
+    """
+    return sorted(_MODELS)
 
 
 def get(name: str) -> ModuleType:
@@ -19,5 +28,5 @@ def get(name: str) -> ModuleType:
         ValueError: an unknown name.
     """
     if name not in _MODELS:
-        raise ValueError(f"models.get: unknown model {name!r}. Fix: use one of {sorted(_MODELS)}.")
+        raise ValueError(f"models.get: unknown model {name!r}. Fix: use one of {names()}.")
     return _MODELS[name]

@@ -103,3 +103,30 @@ def test_every_file_module_and_link_the_docs_name_exists(path):
         else:
             missing.append(f"shardings.{dotted}")
     assert missing == [], f"{path.name} names what does not exist: {missing}"
+
+
+_SCHEDULE_LIST = re.compile(r'schedule="(\w+)"((?:`?/`?"\w+")*)')
+_SCHEDULE_ROW = re.compile(r"^\| `(\w+)`", re.M)
+
+
+def test_every_list_of_schedules_is_the_registry():
+    """Every ``schedule="a"``/``"b"``/... list in README.md and docs/*.md, and docs/pipeline.md's table of schedules,
+    names exactly the schedules shardlab registers (``shardings.pipeline.SCHEDULES``, in its order; docs/pipeline.md's
+    own example registers one more when its blocks have run, which no list names)."""
+    from shardings.pipeline import SCHEDULES
+
+    builtin = [name for name, build in SCHEDULES.items() if build.__module__.startswith("shardings.")]
+
+    lists = {}
+    for path in DOCS:
+        for m in _SCHEDULE_LIST.finditer(path.read_text()):
+            names = [m.group(1), *re.findall(r'"(\w+)"', m.group(2))]
+            if len(names) > 1:  # one name is an example, not a list
+                lists[f"{path.name}: {'/'.join(names)}"] = names
+    text = (ROOT / "docs" / "pipeline.md").read_text()
+    table = text[text.index("| `build(name, p, m)`"):]
+    table = table[:table.index("\n\n")]
+    lists["pipeline.md's table"] = _SCHEDULE_ROW.findall(table)
+    assert len(lists) >= 3, f"the schedule lists moved: found {sorted(lists)}"
+    stale = {where: names for where, names in lists.items() if names != builtin}
+    assert not stale, f"lists of schedules that are not the registry's {builtin}: {stale}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without data: the planner's steps (torch >= 2.11)
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
@@ -62,6 +63,7 @@ __all__ = [
     "expand_to_full_mesh_op_strategy",
     "funcol",
     "grad_from_edges",
+    "implicit_replication",
     "is_traceable_wrapper_subclass",
     "maybe_disable_local_tensor_mode",
     "maybe_run_for_local_tensor",
@@ -191,6 +193,25 @@ all_gather_single: Callable[..., torch.Tensor] = getattr(funcol, "all_gather_sin
 reduce_scatter_single: Callable[..., torch.Tensor] = (
     getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 )
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Inside, a plain tensor that meets a DTensor in an op is taken as replicated on the DTensor's mesh.
+
+    ``torch.distributed.tensor.experimental.implicit_replication``'s flag (DTensor's op dispatcher's, per thread),
+    made re-entrant: the experimental context sets it to False on exit, even inside an outer one; this restores
+    what it found. Its limit, as torch warns: the plain tensor must hold the same value on every rank (a constant
+    made from shapes — a mask, ``arange`` — does; a rank's own data does not), and only ops with a DTensor
+    argument see it (two plain tensors stay plain).
+    """
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
 
 
 def grad_from_edges(edges: Any, inputs: Any, grads: Any) -> tuple[torch.Tensor | None, ...]:

@@ -33,15 +33,18 @@ __all__ = [
     "PARAM_ROLES",
     "ROLES",
     "TIERS",
+    "IdleAxisWarning",
     "Layout",
     "Preset",
     "get",
+    "idle_axes",
     "names",
     "preset",
     "register",
     "register_alias",
     "register_combination",
     "validate",
+    "warn_idle_axes",
 ]
 
 # Every logical name the models use (docs/layouts.md); each role's table ends by replicating them all.
@@ -279,6 +282,58 @@ def _check_pipeline(spec: object, parts: list[str]) -> None:
         inside = sorted(p for p, x in _PRESETS.items() if x.composes_with_pp)
         raise sharding_error(f"layout {spec!r}: {pipelines[0]} does not compose with {other} yet",
                              fix=f"use {pipelines[0]} with {inside}, e.g. 'dp+{pipelines[0]}'")
+
+
+class IdleAxisWarning(UserWarning):
+    """A mesh axis the layout leaves idle: its ranks hold and compute the same as each other."""
+
+
+def _targets(layout: Layout) -> set[str]:
+    """The mesh axes any of ``layout``'s rule tables names (``pp`` when it pipelines the blocks)."""
+    axes = {a for role in ROLES for _, t in getattr(layout, role)
+            for a in (() if t is None else (t,) if isinstance(t, str) else t)}
+    return axes | ({"pp"} if layout.pipelined else set())
+
+
+def idle_axes(layout: Layout, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that no rule table of ``layout`` names: every rank along one holds and computes
+    exactly what its neighbours do (``zero3`` on ``Mesh(dp=2, tp=2)``: ``('tp',)``, twice ``Mesh(dp=4)``'s memory).
+
+    >>> idle_axes(get("zero3"), Mesh(dp=2, tp=2)), idle_axes(get("zero3+tp"), Mesh(dp=2, tp=2))
+    (('tp',), ())
+    """
+    used = _targets(layout)
+    return tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and a not in used)
+
+
+def _composes(layout: Layout, preset: str) -> bool:
+    if not layout.presets or preset in layout.presets:
+        return False
+    try:
+        get(f"{layout.name}+{preset}")
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def warn_idle_axes(layout: Layout, mesh: Mesh) -> None:
+    """Warn (:class:`IdleAxisWarning`, once per process, rank 0 only) about each of :func:`idle_axes`, naming the
+    presets that would use it and the mesh without it."""
+    import torch.distributed as dist  # the spec layer needs no process group otherwise
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for axis in idle_axes(layout, mesh):
+        users = [p for p, x in _PRESETS.items() if axis in _targets(x.layout) and _composes(layout, p)][:3]
+        data = next((a for a in mesh.axis_names if a in DATA_AXES and a in _targets(layout)), None)
+        fold = (f", or give its ranks to {data!r} (Mesh({data}={mesh.axis_size(data) * mesh.axis_size(axis)}, ...))"
+                if data else "")
+        add = f"add a preset that uses it ({' or '.join(f'{layout.name}+{p}' for p in users)})" if users else (
+            "add a preset that uses it")
+        warnings.warn(IdleAxisWarning(
+            f"layout {layout.name or layout!r} leaves mesh axis {axis!r} (size {mesh.axis_size(axis)}) of {mesh!r} "
+            f"idle: its ranks hold and compute the same, so each holds as much as on a mesh without it. "
+            f"Fix: {add}{fold}."), stacklevel=3)
 
 
 def validate(layout: Layout, mesh: Mesh) -> None:

@@ -8,6 +8,7 @@ over key paths, and :func:`logical_to_specs` turns a whole names tree into a spe
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -198,8 +199,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
         A ``P`` with one entry per name.
 
     Raises:
-        ShardingError: a name has no rule at all; a chosen rule names a mesh axis that neither
-            ``mesh`` nor any layout preset has.
+        ShardingError: a name has no rule at all (a typo of a known name gets "did you mean"); a chosen rule
+            names a mesh axis that neither ``mesh`` nor any layout preset has.
         TypeError: ``names`` is not a tuple of str/None, or ``rules`` is not a :class:`Rules`.
 
     >>> rules = Rules([("embed", "fsdp"), ("mlp", "fsdp"), ("mlp", "tp")])
@@ -219,13 +220,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
         )
     for name in names:
         if name is not None and not rules.targets(name):
-            raise sharding_error(
-                f"logical name {name!r} (of the names {names}) has no rule in {rules!r}",
-                fix=f"add a rule for it: rules + Rules({name}=None) to replicate it, "
-                f"or rules + Rules({name}='<mesh axis>') to shard it",
-                path=path,
-                mesh=mesh,
-            )
+            raise _unknown_name(name, names, rules, mesh, path)
     chosen: list[tuple[str, ...] | None] = [None] * len(names)
     used: set[str] = set()
     for rule_name, target in rules:
@@ -237,6 +232,27 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh, path:
                 used.update(axes)
     kept = [tuple(a for a in axes or () if mesh.shape.get(a, 1) > 1) for axes in chosen]
     return P(*(_entry(axes) for axes in kept))
+
+
+def _unknown_name(name: str, names: Names, rules: Rules, mesh: Mesh, path: Any) -> Exception:
+    """A name no rule knows: a typo of a known name (either side: the model's axes or a ``Rules`` table) gets
+    "did you mean"; a new name, how to add its rule. The known names are listed, not the whole table."""
+    close = difflib.get_close_matches(name, rules.names, n=1, cutoff=0.6)
+    if close:
+        return sharding_error(
+            f"unknown logical name {name!r} (of the names {names}): did you mean {close[0]!r}?",
+            fix=f"write {close[0]!r} where the model's axes name {name!r}; or, if the rules table is the one "
+            f"misspelled, rename its rule {close[0]!r} to {name!r}",
+            path=path,
+            mesh=mesh,
+        )
+    return sharding_error(
+        f"unknown logical name {name!r} (of the names {names}): no rule names it; the rules name {list(rules.names)}",
+        fix=f"use one of those, or add a rule for it: rules + Rules({name}=None) to replicate it, "
+        f"or rules + Rules({name}='<mesh axis>') to shard it",
+        path=path,
+        mesh=mesh,
+    )
 
 
 def _check_axes(name: str, target: Entry, mesh: Mesh, path: Any) -> None:

@@ -21,6 +21,7 @@ from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.residency import gather_buckets
 from shardings.residency.gather_params import regather_in_backward
+from shardings.runtime.compat import implicit_replication
 from shardings.spec.context import use
 from shardings.step.mixed import Cast
 
@@ -55,7 +56,8 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
     try:
         for mb in step.microbatches(batch):
             weight = step.token_count(mb) / total_tokens
-            with use(step.mesh, step.layout), regather_in_backward(), dtensor_errors():
+            # a constant the loss makes (a mask, arange) is replicated where it meets a DTensor, in forward and backward
+            with use(step.mesh, step.layout), implicit_replication(), regather_in_backward(), dtensor_errors():
                 compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], step.bucket_mb,
                                                          plan.units, step.cast)
                 compute = [step.cast.to_compute(x) for x in compute]

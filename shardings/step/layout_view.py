@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from core import tree
+from shardings.pipeline.plan import Plan, plan_for
 from shardings.spec import layouts
 from shardings.spec.layouts import PARAM_ROLES, Layout
 from shardings.spec.mesh import Mesh, P
@@ -33,6 +34,7 @@ class GroupRow:
     count: int
     specs: dict[str, P]
     shares: dict[str, float]
+    pp_rank: int | None = None  # under pp: the pipeline rank holding these blocks; None: every rank (or no pp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +45,14 @@ class LayoutView:
     mesh: Mesh
     rows: list[GroupRow]
     comm: list[dict[str, Any]]
+    pipelined: bool = False  # the layout pipelines the blocks: each row says which pp rank holds it
 
     def text(self) -> str:
-        """The view as a text table: one line per parameter group, then the collectives."""
-        cells = [[r.group, str(r.shape)] + [_cell(r.specs[k], r.shares[k]) for k in PARAM_ROLES] for r in self.rows]
-        head = ["param", "shape"] + [_TITLES[k] for k in PARAM_ROLES]
+        """The view as a text table: one line per parameter group (under pp, with the pp rank holding it), then the
+        collectives."""
+        cells = [[r.group, str(r.shape)] + [_cell(r.specs[k], r.shares[k]) for k in PARAM_ROLES]
+                 + ([_pp_cell(r.pp_rank)] if self.pipelined else []) for r in self.rows]
+        head = ["param", "shape"] + [_TITLES[k] for k in PARAM_ROLES] + (["pp rank"] if self.pipelined else [])
         widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head))]
         line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
         out = [f"layout {self.layout!r} on {self.mesh!r} ({self.mesh.size} ranks): spec and share each rank holds",
@@ -68,9 +73,15 @@ class LayoutView:
             "mesh": self.mesh.shape,
             "rows": [{"group": r.group, "shape": list(r.shape), "count": r.count,
                       "specs": {k: [list(e) if isinstance(e, tuple) else e for e in s] for k, s in r.specs.items()},
-                      "shares": r.shares} for r in self.rows],
+                      "shares": r.shares, **({"pp_rank": r.pp_rank} if self.pipelined else {})}
+                     for r in self.rows],
             "comm": self.comm,
+            "pipelined": self.pipelined,
         }
+
+
+def _pp_cell(rank: int | None) -> str:
+    return "all" if rank is None else str(rank)
 
 
 def _cell(spec: P, share: float) -> str:
@@ -95,8 +106,12 @@ def _label(name: str, indices: list[tuple[int, ...]]) -> str:
     return name.replace("[*]", f"[{text}]", 1)
 
 
-def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any = None) -> LayoutView:
+def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any = None,
+             plan: Plan | None = None) -> LayoutView:
     """Resolve every parameter's specs under ``layout`` on ``mesh``, grouped, with a step's collectives.
+
+    Under ``pp`` each block group also says which pipeline rank holds it (the pipeline plan's
+    :meth:`~shardings.pipeline.Plan.owner`; the parameters outside the blocks are on every pp rank).
 
     Args:
         params: the parameter tree (plain tensors, DTensors, or anything with ``.shape``).
@@ -104,6 +119,7 @@ def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any
         layout: a preset/composition string or a :class:`~shardings.spec.layouts.Layout`.
         mesh: the mesh (no process group needed: specs are resolved, nothing is placed).
         comm: a ``shardings.comms()`` record of one step, or its ``rows()``, to list the collectives.
+        plan: under ``pp``, the run's pipeline plan (default: ``shardings.pipeline.plan``'s for ``params``).
 
     Returns:
         A :class:`LayoutView` (``print`` it).
@@ -113,6 +129,7 @@ def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any
     P('dp', 'tp') P(None, 'tp')
     """
     layout = layouts.get(layout)
+    plan = plan_for(layout, mesh, params, plan)  # None without pp
     names = dict((tree.keystr(p), n) for p, n in tree.leaves_with_path(axes, is_leaf=is_names))
     groups: dict[tuple, list[tuple[int, ...]]] = {}
     for path, x in tree.leaves_with_path(params):
@@ -122,14 +139,16 @@ def describe(params: Any, axes: Any, layout: str | Layout, mesh: Mesh, comm: Any
                              f"same tree structure as params (e.g. models.gpt.axes(cfg)).")
         specs = tuple(logical_to_spec(names[key], layout.role(role), mesh, path=key) for role in PARAM_ROLES)
         name, indices = _group_of(key)
-        groups.setdefault((name, tuple(x.shape), specs), []).append(indices)
+        held = plan.owner(indices[0]) if plan is not None and key.startswith(f"['{plan.blocks}'][") else None
+        groups.setdefault((name, tuple(x.shape), specs, held), []).append(indices)
     rows = []
-    for (name, shape, specs), indices in groups.items():
+    for (name, shape, specs, held), indices in groups.items():
         shares = {role: 1 / mesh.axis_size(tuple(a for e in s for a in ((e,) if isinstance(e, str) else e or ())))
                   for role, s in zip(PARAM_ROLES, specs)}
-        rows.append(GroupRow(_label(name, indices), shape, len(indices), dict(zip(PARAM_ROLES, specs)), shares))
+        rows.append(GroupRow(_label(name, indices), shape, len(indices), dict(zip(PARAM_ROLES, specs)), shares,
+                             held))
     comm_rows = comm.rows() if hasattr(comm, "rows") else list(comm or [])
-    return LayoutView(layout.name or repr(layout), mesh, rows, comm_rows)
+    return LayoutView(layout.name or repr(layout), mesh, rows, comm_rows, plan is not None)
 
 
 _ROLE_LETTERS = {"params": "S", "compute": "C", "grads": "G", "opt_state": "O", "batch": "B", "activations": "A"}

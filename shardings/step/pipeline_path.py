@@ -47,6 +47,7 @@ from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Plan, Result, Stages, run
 from shardings.residency import gather_buckets
+from shardings.runtime.compat import implicit_replication
 from shardings.runtime.simulate import simulated
 from shardings.spec import lower
 from shardings.spec.context import use
@@ -83,7 +84,8 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
     # every stage in this process (execute.run's answer): the rules also where backward recomputes a remat block,
     # outside the stage's call (real ranks build their carry templates without them: remat + pp there is open)
     here = simulated() or pipe.pp == 1
-    with use(step.mesh, step.layout) if here else contextlib.nullcontext():
+    # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
+    with implicit_replication(), use(step.mesh, step.layout) if here else contextlib.nullcontext():
         result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
                      carry_layout=carry)
     step.last = result

@@ -87,6 +87,7 @@ class TrainStep:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.layout = layouts.get(layout)
         layouts.validate(self.layout, mesh)
+        layouts.warn_idle_axes(self.layout, mesh)  # zero3 on Mesh(dp=2, tp=2): tp idle, said once
         # the pipeline's stages run on the mesh of the other axes; mesh is where parameters live
         self.full_mesh, self.mesh = mesh, mesh.without("pp") if self.layout.pipelined else mesh
         self.loss_fn, self.axes, self.precision, self.token_count = loss_fn, axes, precision, token_count

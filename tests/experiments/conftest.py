@@ -6,14 +6,15 @@ import pytest
 from hydra import compose, initialize
 from omegaconf import DictConfig
 
-from experiments.config import register
+from experiments.config import app_overrides, own_model, register
 
 
 def compose_config(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The ``train`` or ``equivalence`` config with Hydra overrides, as the apps would compose it."""
     register()
+    overrides = app_overrides(overrides)
     with initialize(version_base="1.3", config_path=None):
-        return compose(name, overrides=list(overrides))
+        return own_model(compose(name, overrides=overrides), overrides)
 
 
 @pytest.fixture(scope="module")

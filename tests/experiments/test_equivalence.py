@@ -26,3 +26,11 @@ def test_impossible_config_exits_2(capsys):
     assert main(["layout=tp", "mesh=dp2"]) == 2
     assert "needs a mesh axis tp" in capsys.readouterr().err
     assert main(["layout=no_such_layout"]) == 2
+
+
+def test_a_misspelled_logical_name_exits_2_with_that_message_alone(capsys):
+    # tests/experiments/axes_typo.py: mlp whose block 0 names a dim "mpl"
+    assert main(["model.name=tests.experiments.axes_typo", "layout=dp+tp", "mesh=dp2_tp2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: layout=dp+tp mesh={'dp': 2, 'tp': 2}: at ['blocks'][0]")
+    assert "unknown logical name 'mpl' (of the names ('embed', 'mpl')): did you mean 'mlp'?" in err

@@ -8,9 +8,10 @@ import sys
 
 import matplotlib.image
 
-from experiments.report import collect, loss_curves, main
+from experiments.report import SIMULATED_NOTE, collect, comm_by_axis, loss_curves, main, throughput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROLES = ("params", "compute", "grads", "opt_state")
 
 
 def test_sweep_then_report(tmp_path, capsys):
@@ -36,7 +37,7 @@ def test_sweep_then_report(tmp_path, capsys):
     markdown = (sweep / "report.md").read_text()
     assert "| layout=dp | dp | dp=2 | 3 |" in markdown and "| layout=zero3 | zero3 | dp=2 | 3 |" in markdown
     assert "layout=zero3" in capsys.readouterr().out
-    for name in ("loss.png", "memory.png", "comm.png"):
+    for name in ("loss.png", "memory.png", "comm.png", "throughput.png", "layout_0.png", "layout_1.png"):
         assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE
         height, width, _ = matplotlib.image.imread(sweep / name).shape
         assert height > 100 and width > 100
@@ -47,13 +48,25 @@ def test_report_of_an_empty_directory_fails(tmp_path, capsys):
     assert "no runs" in capsys.readouterr().err
 
 
-def _fake_run(folder, precision: str, losses: list[float]) -> None:
+def _fake_run(folder, precision: str, losses: list[float], runtime: str | None = None, status: str = "ran") -> None:
     """A run directory as experiments.train writes it (the parts the report reads)."""
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "overrides.yaml").write_text(f"- precision={precision}\n- layout=zero3+tp+sp\n")
+    (folder / "status.json").write_text(json.dumps({"status": status, "reason": "no tp axis" if status != "ran"
+                                                    else None}))
+    if status != "ran":
+        return
+    if runtime:
+        (folder / "config.yaml").write_text(f"runtime:\n  kind: {runtime}\n")
     memory = {"params": 4, "compute": 2, "grads": 4, "opt_state": 8}
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n"
+    comm = [{"kind": "all_gather", "axis": "dp", "count": 2, "bytes": 6}, {"kind": "all_gather", "axis": "tp",
+                                                                            "count": 1, "bytes": 2}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x, "comm": comm}) + "\n"
                                                   for i, x in enumerate(losses)))
+    (folder / "layout.json").write_text(json.dumps({
+        "layout": "zero3+tp+sp", "mesh": {"dp": 2, "tp": 2}, "comm": comm, "pipelined": False,
+        "rows": [{"group": "embed", "shape": [8, 4], "count": 1, "specs": {k: ["tp", "dp"] for k in ROLES},
+                  "shares": {k: 0.25 for k in ROLES}}]}))
     (folder / "summary.json").write_text(json.dumps({
         "layout": "zero3+tp+sp", "mesh": {"dp": 2, "tp": 2}, "steps": len(losses), "final_loss": losses[-1],
         "tokens_per_s": 1.0, "comm_bytes_by_kind": {"all_gather": 8.0}, "comm_bytes_per_step": 8.0,
@@ -70,3 +83,22 @@ def test_runs_of_two_directories_in_one_report_with_a_difference_panel(tmp_path)
     two_panels = matplotlib.image.imread(out / "loss.png").shape
     loss_curves(collect(tmp_path / "fp32"), tmp_path / "one.png")  # one run: no difference panel
     assert two_panels[0] > matplotlib.image.imread(tmp_path / "one.png").shape[0]
+
+
+def test_comm_by_mesh_axis_throughput_marked_simulated_and_pictures_numbered_by_job(tmp_path):
+    # jobs 0 (simulated), 1 (skipped: no run, no layout of its own), 2 (real processes)
+    sweep = tmp_path / "multirun"
+    _fake_run(sweep / "0", "fp32", [5.5, 4.0], runtime="simulate")
+    _fake_run(sweep / "1", "bf16", [], status="skipped")
+    _fake_run(sweep / "2", "fp16", [5.5, 4.2], runtime="multiprocess")
+    assert main([str(sweep)]) == 0
+    runs = collect(sweep)
+    assert comm_by_axis(runs) == {"all_gather on dp": [6.0, 6.0], "all_gather on tp": [2.0, 2.0]}
+    assert throughput(runs, tmp_path / "t.png") == [SIMULATED_NOTE, "real processes (multiprocess)"]
+    assert "~20×" in SIMULATED_NOTE and "simulated ranks" in (sweep / "report.md").read_text()
+    with open(sweep / "report.csv") as f:
+        assert [(r["job"], r["run"]) for r in csv.DictReader(f)] == [("0", "precision=fp32"), ("2", "precision=fp16")]
+    for i in (0, 1, 2):  # the skipped job's picture says so; the third run's is layout_2, not layout_1
+        assert (sweep / f"layout_{i}.png").read_bytes()[:8] == PNG_SIGNATURE
+    ran = matplotlib.image.imread(sweep / "layout_2.png").shape
+    assert ran[1] > matplotlib.image.imread(sweep / "layout_1.png").shape[1]  # a placeholder, not a layout

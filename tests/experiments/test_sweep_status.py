@@ -57,10 +57,20 @@ def test_a_failing_job_is_recorded_the_rest_run_and_the_exit_status_says_so(tmp_
 
 
 @pytest.mark.simulated  # the sweep's jobs run runtime=simulate in a child process
-def test_a_misspelled_layout_in_a_sweep_is_a_skipped_job_naming_the_nearest_preset(tmp_path):
-    sweep, proc = _sweep(tmp_path, "layout=dp,zer03", "mesh=dp2")
+def test_a_misspelled_layout_or_logical_name_in_a_sweep_is_a_skipped_job_saying_what_was_meant(tmp_path, capsys):
+    # tests/experiments/axes_typo.py: mlp whose block 0 names a dim "mpl". Jobs: mlp×dp, mlp×zer03, typo×dp, typo×zer03.
+    sweep, proc = _sweep(tmp_path, "model.name=mlp,tests.experiments.axes_typo", "layout=dp,zer03", "mesh=dp2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _status(sweep / "0") == {"status": "ran", "reason": None}
     bad = _status(sweep / "1")
     assert bad["status"] == "skipped" and "did you mean 'zero3'?" in bad["reason"] and "Fix:" in bad["reason"]
-    assert "skipped job 1 (layout=zer03 mesh=dp2): impossible combination" in proc.stderr
+    assert "skipped job 1 (" in proc.stderr and "model.name=mlp layout=zer03 mesh=dp2): impossible" in proc.stderr
+    typo = _status(sweep / "2")
+    assert typo["status"] == "skipped"
+    assert typo["reason"].startswith("layout=dp mesh={'dp': 2}: at ['blocks'][0]['w_up']")
+    assert "unknown logical name 'mpl' (of the names ('embed', 'mpl')): did you mean 'mlp'?" in typo["reason"]
+    assert "Rules([" not in typo["reason"]  # the names, not the rules table
+
+    assert report([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "4 jobs: 1 ran, 3 skipped" in out and "did you mean 'mlp'?" in (sweep / "report.md").read_text()

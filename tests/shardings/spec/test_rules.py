@@ -112,9 +112,22 @@ def test_missing_rule_error_names_everything():
     with pytest.raises(ShardingError) as e:
         logical_to_spec(("batch", "vocab"), Rules(batch="dp"), Mesh(dp=2), path="['lm_head']")
     msg = str(e.value)
-    for part in ("'vocab'", "('batch', 'vocab')", "Rules([('batch', 'dp')])", "Mesh(dp=2)", "lm_head", "Fix:"):
+    for part in ("'vocab'", "('batch', 'vocab')", "the rules name ['batch']", "Mesh(dp=2)", "lm_head", "Fix:"):
         assert part in msg
-    assert msg.endswith(".")
+    assert msg.endswith(".") and "Rules([" not in msg  # the names, not the whole table
+
+
+@pytest.mark.parametrize(("names", "rules", "unknown", "meant"), [
+    (("embed", "mpl"), Rules(embed=None, mlp="tp"), "mpl", "mlp"),  # a typo in the model's axes
+    (("embed", "mlp"), Rules(embed=None, mpl="tp"), "mlp", "mpl"),  # a typo in the Rules table
+])
+def test_a_misspelled_logical_name_gets_did_you_mean(names, rules, unknown, meant):
+    with pytest.raises(ShardingError) as e:
+        logical_to_spec(names, rules, Mesh(tp=2), path="['blocks'][0]['w_up']")
+    msg = str(e.value)
+    assert msg.startswith("at ['blocks'][0]['w_up'], mesh Mesh(tp=2): ")
+    assert f"unknown logical name {unknown!r} (of the names {names}): did you mean {meant!r}?" in msg
+    assert "Fix: write" in msg and "Rules([" not in msg
 
 
 @pytest.mark.parametrize("names", ["batch", P("dp"), ("batch", 3), 5])

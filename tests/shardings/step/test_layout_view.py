@@ -1,5 +1,6 @@
 """shardings.describe_layout: every parameter group's specs per role, and a step's collectives."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -65,3 +66,26 @@ def test_missing_names_are_a_clear_error():
     with pytest.raises(ValueError, match=r"no logical names for the parameter at \['b'\].*Fix:"):
         describe({"a": core.random.normal(core.random.key(0), (2,)), "b": core.random.normal(core.random.key(1), (2,))},
                  {"a": ("embed",)}, "dp", Mesh(dp=2))
+
+
+@pytest.mark.parametrize(("schedule", "stage_sizes", "holders"), [
+    ("1f1b", [1, 2], [0, 1, 1]),
+    ("1f1b", [2, 1], [0, 0, 1]),
+    ("interleaved_1f1b", None, [0, 1, 0, 1]),  # 4 blocks, 2 stages per rank, round robin
+])
+def test_under_pp_each_block_group_names_the_pp_rank_holding_it(schedule, stage_sizes, holders):
+    cfg = dataclasses.replace(CFG, layers=len(holders))
+    params, axes, mesh = gpt.init(core.random.key(0), cfg), gpt.axes(cfg), Mesh(dp=2, pp=2)
+    plan = shardings.pipeline.plan("dp+pp", mesh, params, schedule=schedule, stage_sizes=stage_sizes,
+                                   microbatches=2 if schedule == "1f1b" else 4)
+    view = describe(params, axes, "dp+pp", mesh, plan=plan)
+    by_block = {}
+    for r in view.rows:
+        if r.group.startswith("blocks") and r.group.endswith(".wq"):
+            for i in r.group[len("blocks["):r.group.index("]")].replace("-", ",").split(","):
+                by_block[int(i)] = r.pp_rank
+        elif not r.group.startswith("blocks"):
+            assert r.pp_rank is None  # embedding, final norm, head: on every pp rank
+    assert [by_block[i] for i in range(cfg.layers)] == holders and set(holders) == {0, 1}
+    assert view.text().splitlines()[1].endswith("pp rank") and view.to_dict()["rows"][0]["pp_rank"] is None
+    assert "pp rank" not in describe(params, axes, "dp", Mesh(dp=2)).text()  # no pipeline, no column

@@ -81,7 +81,11 @@ def test_the_key_bias_gradient_is_exactly_zero_and_the_next_smallest_is_not():
 def test_every_layout_passes_in_fp32_with_the_key_bias(layouts, mesh, steps):
     report = _check(layouts, mesh, steps)
     assert report.ok and {r.layout for r in report.rows} == set(layouts)
-    assert all(x.limit <= 0.01 for x in report.limits if x.quantity == "grads")  # and it could have failed
+    # and it could have failed: 1% in any gradient leaf. One step (zero3+tp+pp) sees only the first step's
+    # gradients, where block 1's bq is the smallest nonzero leaf and the floor (8 ulps of the tree's largest,
+    # docs/equivalence.md) lets 2% show there, not 1%; every other leaf (the median) still shows 1e-4
+    worst = 0.01 if steps > 1 else 0.02
+    assert all(x.limit <= worst and x.median <= 1e-4 for x in report.limits if x.quantity == "grads")
 
 
 def test_a_one_percent_error_in_a_small_but_nonzero_gradient_fails_in_fp32():
