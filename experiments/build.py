@@ -23,7 +23,7 @@ import models
 from core import deferred, tree
 from shardings import Mesh, layouts, logical_to_spec, param_specs, pipeline
 
-__all__ = ["ConfigError", "Setup", "build", "loss", "optimizer", "pretrained"]
+__all__ = ["ConfigError", "Setup", "build", "loss", "model", "optimizer", "pretrained"]
 
 _RUNTIMES = ("simulate", "multiprocess", "torchrun")
 
@@ -53,6 +53,11 @@ def loss(setup: Setup) -> Callable[[Any, Any], Any]:
 
 
 _INTERFACE = ("Config", "init", "axes", "loss", "example_batch")
+
+
+def model(conf: Any) -> tuple[ModuleType, Any]:
+    """The model module and its ``Config`` a ``model`` config node names (``ConfigError`` if it cannot)."""
+    return _model(conf)
 
 
 def _model(conf: Any) -> tuple[ModuleType, Any]:
@@ -114,6 +119,10 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh  # doctest: +SKIP
     Mesh(dp=4)
     """
+    if str(cfg.layout) == "auto":  # the planner picks layout, mesh and pipeline (experiments.plan.auto)
+        from experiments.plan import auto
+
+        cfg = auto(cfg)
     module, model_cfg = _model(cfg.model)
     offload = cfg.get("offload") or {}
     if offload.get("activations"):

@@ -3,14 +3,14 @@
 The public surface is this module (``shardings.P``, ``shardings.train_step``, ...). The code lives in
 subpackages by concern, and imports between them go one way — each may import only those before it::
 
-    spec → runtime → comm → residency → ops → pipeline → step → checkpoint → testing
+    spec → runtime → comm → residency → ops → pipeline → step → checkpoint → testing → planner
 
 ``runtime/compat.py`` (every private torch name) is below them all. Code outside ``shardings`` imports from here
 and the public subpackages re-exported here (``pipeline``, ``testing``, ``checkpoint``, ``layouts``).
 ``tests/test_architecture.py`` checks both on the source; docs/internals.md walks through the subpackages.
 """
 
-from shardings import checkpoint, pipeline, testing
+from shardings import checkpoint, pipeline, planner, testing
 from shardings.comm.accounting import Comms, comms, memory
 from shardings.comm.collectives import (
     all_gather,
@@ -29,6 +29,7 @@ from shardings.ops.blockwise import blockwise
 from shardings.ops.local_einsum import einsum
 from shardings.ops.ring_attention import attention
 from shardings.ops.vocab_parallel import embedding, nll
+from shardings.planner import plan
 from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.launch import LaunchError, launch
 from shardings.runtime.simulate import per_rank, simulate, simulated, unwrap
@@ -86,6 +87,8 @@ __all__ = [
     "peak_memory",
     "per_rank",
     "pipeline",
+    "plan",
+    "planner",
     "pmean",
     "ppermute",
     "psum",

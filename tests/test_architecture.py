@@ -58,7 +58,7 @@ def test_the_checker_sees_imports(tmp_path, monkeypatch):
 
 
 # shardings/: subpackages by concern, imports one way (shardings/__init__.py's docstring)
-LAYERS = ["spec", "runtime", "comm", "residency", "ops", "pipeline", "step", "checkpoint", "testing"]
+LAYERS = ["spec", "runtime", "comm", "residency", "ops", "pipeline", "step", "checkpoint", "testing", "planner"]
 # The one module every layer may import, whatever its place: the private torch names (it imports only spec.errors).
 TORCH_ADAPTER = "shardings.runtime.compat"
 

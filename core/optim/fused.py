@@ -35,7 +35,7 @@ PyTree = tree.PyTree
 
 # Matched by name (core never imports torch.distributed): a simulated rank's block is a LocalTensor,
 # whose ops (the fused kernel too) run on each rank's plain tensor.
-_FUSABLE_TYPES = frozenset({"Tensor", "Parameter", "LocalTensor"})
+_FUSABLE_TYPES = frozenset({"Tensor", "Parameter", "LocalTensor", "FakeTensor"})  # FakeTensor: the planner's steps
 
 
 def fusable(*trees: PyTree) -> bool:

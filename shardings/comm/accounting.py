@@ -208,6 +208,10 @@ class Comms:
             for k, a in keys
         ]
 
+    def totals(self) -> dict[tuple[str, str], tuple[int, Fraction]]:
+        """``(kind, axis) -> (count, bytes sent per rank)``, bytes exact (unrounded): :meth:`rows` before rounding."""
+        return {key: (count, nbytes) for key, (count, nbytes) in self._totals.items()}
+
     def total_bytes(self) -> int:
         """Bytes sent per rank by every recorded collective together."""
         return round(sum((b for _, b in self._totals.values()), Fraction(0)))

@@ -54,6 +54,12 @@ def storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         yield t.untyped_storage()
 
 
+# Collectives whose result is a buffer they were given (the input, or out=): a real tensor's result is that buffer,
+# a fake tensor's a new one (the planner's steps): no new bytes either way
+_F = torch.ops._c10d_functional
+_RETURNS_INPUT = frozenset({_F.wait_tensor, _F.all_gather_into_tensor_out, _F.reduce_scatter_tensor_out})
+
+
 class _Tracker(TorchDispatchMode):
     def __init__(self, out: PeakMemory):
         super().__init__()
@@ -87,13 +93,18 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.track(out)
+        if func.overloadpacket not in _RETURNS_INPUT:
+            self.track(out)
         return out
 
 
 @contextlib.contextmanager
-def peak_memory() -> Iterator[PeakMemory]:
+def peak_memory(roots: object = None) -> Iterator[PeakMemory]:
     """Count live tensor bytes in this process during the block; ``peak`` includes what was live at entry.
+
+    Args:
+        roots: a pytree whose tensors are what is live at entry, instead of every tensor in the process
+            (a ``gc`` scan): for one step's bytes alone (the planner's steps on fake tensors).
 
     >>> with peak_memory() as m:  # doctest: +SKIP
     ...     params, state, metrics = step(params, state, batch)
@@ -102,12 +113,15 @@ def peak_memory() -> Iterator[PeakMemory]:
     """
     out = PeakMemory()
     tracker = _Tracker(out)
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on some module objects warns of their deprecation
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                tracker.track(obj)
+    if roots is not None:
+        tracker.track(roots)
+    else:
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance() on some module objects warns of their deprecation
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    tracker.track(obj)
     out.at_entry = out.live
     original = torch.UntypedStorage.resize_
 

@@ -320,7 +320,7 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
         raise ValueError(f"pipeline run: schedule for {schedule.stages} stages, m={schedule.microbatches}, but a split "
                          f"into {split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. "
                          "Fix: build the schedule and the split for the same pp and pass one weight per microbatch.")
-    if mesh is not None and not simulated():
+    if mesh is not None and schedule.pp > 1 and not simulated():  # one pipeline rank: every stage here
         return _run_rank(schedule, stages, split, params, microbatches, weights, mesh, carry_layout)
     runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox(schedule))
     pending = [list(actions) for actions in schedule.ranks]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without data: the planner's steps (torch >= 2.11)
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -43,6 +44,7 @@ __all__ = [
     "SIMULATION_TORCH",
     "DTensorSpec",
     "FakeStore",
+    "FakeTensorMode",
     "LocalIntNode",
     "LocalTensor",
     "LocalTensorMode",

@@ -93,8 +93,8 @@ WHOLE = Ownership()
 
 def ownership(plan: Plan | None, params: Any, mesh: Mesh) -> Ownership:
     """This process's leaves of ``params`` (or of a tree shaped like them) under a pipeline ``plan`` on ``mesh``
-    (the whole mesh, with its ``pp`` axis): every leaf without a plan or on simulated ranks."""
-    if plan is None or simulated():
+    (the whole mesh, with its ``pp`` axis): every leaf without a plan, with one pipeline rank, or on simulated ranks."""
+    if plan is None or plan.pp == 1 or simulated():
         return WHOLE
     dm = mesh.device_mesh
     return Ownership(tuple(plan.owners(params)), dm.get_local_rank("pp"), dm.get_group("pp"))

@@ -37,6 +37,7 @@ instead of one block's) from the first forward to the last backward, next to the
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Plan, Result, Stages, run
 from shardings.residency import gather_buckets
 from shardings.runtime.compat import implicit_replication
+from shardings.runtime.simulate import simulated
 from shardings.spec import lower
 from shardings.spec.context import use
 from shardings.spec.layouts import Layout
@@ -79,7 +81,11 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
         weights = [w * scale for w in weights]
     compute = tree.unflatten(plan.treedef, _gather_once(step, plan, params))
     carry = (step.loss_fn, _CarryPlacements(step.loss_fn, step.layout, step.mesh), step.mesh.device_mesh)
-    with implicit_replication():  # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
+    # every stage in this process (execute.run's answer): the rules also where backward recomputes a remat block,
+    # outside the stage's call (real ranks build their carry templates without them: remat + pp there is open)
+    here = simulated() or pipe.pp == 1
+    # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
+    with implicit_replication(), use(step.mesh, step.layout) if here else contextlib.nullcontext():
         result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
                      carry_layout=carry)
     step.last = result

@@ -82,7 +82,7 @@ class TrainStep:
                  precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True,
                  count_comms=True, donate=False, plan: Plan | None = None, schedule: str | Schedule | None = None,
                  microbatches: int | None = None, stage_sizes: list[int] | None = None,
-                 virtual_stages: int | None = None):
+                 virtual_stages: int | None = None, scalar_metrics: bool = True):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.layout = layouts.get(layout)
@@ -93,6 +93,7 @@ class TrainStep:
         self.loss_fn, self.axes, self.precision, self.token_count = loss_fn, axes, precision, token_count
         self.cast, self.scaler = mixed.Cast.of(precision), precision.scaler if precision is not None else None
         self.bucket_mb, self.count_comms, self.donate = bucket_mb, count_comms, donate
+        self.scalar_metrics = scalar_metrics
         self.local = local and not self.layout.pipelined  # the pipeline path runs DTensors in each stage
         self.clip_norm, self.inner = clip_norm, optimizer
         self.clip = core.optim.clip_by_global_norm(clip_norm) if clip_norm is not None else None
@@ -240,10 +241,11 @@ class TrainStep:
             if "params" in self.layout.host:
                 new_params = offload.to_host(new_params)
         held = lambda t: accounting.memory([x for x in tree.leaves(t) if not ownership.is_absent(x)])
+        scalars = self.scalar_metrics
         metrics = {
-            "loss": _scalar(loss),
-            "grad_norm": _scalar(update.grad_norm(self, self._plan.ownership, grads)),
-            "tokens": int(_scalar(tokens)),
+            "loss": _scalar(loss) if scalars else None,
+            "grad_norm": _scalar(update.grad_norm(self, self._plan.ownership, grads)) if scalars else None,
+            "tokens": int(_scalar(tokens)) if scalars else None,
             "comm": c.rows() if c else None,
             "comm_bytes": c.total_bytes() if c else None,
             "memory": {
@@ -317,7 +319,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB, local: bool = True,
                count_comms: bool = True, donate: bool = False, plan: Plan | None = None,
                microbatches: int | None = None, schedule: str | Schedule | None = None,
-               stage_sizes: list[int] | None = None, virtual_stages: int | None = None) -> TrainStep:
+               stage_sizes: list[int] | None = None, virtual_stages: int | None = None,
+               scalar_metrics: bool = True) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -341,6 +344,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         count_comms: count the step's collectives into ``metrics["comm"]``/``["comm_bytes"]``
             (``shardings.comms()``, a dispatch mode that sees every op: it costs time; ``False``
             for timing runs, and those metrics are ``None``).
+        scalar_metrics: ``False`` leaves ``metrics["loss"]``, ``["grad_norm"]`` and ``["tokens"]`` ``None``: no
+            host sync and no norm, for a step on fake tensors (the planner, ``shardings.planner``).
         donate: the step may write the new params and optimizer state into the buffers of the ones
             passed in (JAX's ``donate_argnums``): do not use those afterwards. With ``local`` and an
             optimizer that has a ``fused_step`` (``adamw``), the update then runs in torch's fused
@@ -370,4 +375,5 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
     return TrainStep(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, accum_steps=accum_steps,
                      clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
                      local=local, count_comms=count_comms, donate=donate, plan=plan, schedule=schedule,
-                     microbatches=microbatches, stage_sizes=stage_sizes, virtual_stages=virtual_stages)
+                     microbatches=microbatches, stage_sizes=stage_sizes, virtual_stages=virtual_stages,
+                     scalar_metrics=scalar_metrics)

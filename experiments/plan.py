@@ -1,0 +1,205 @@
+"""``python -m experiments.plan``: which layout and mesh for this model on that cluster, ranked by predicted step time.
+
+Hydra overrides pick the model (``model=``: the experiments' models and the published shapes ``gpt3_175b``,
+``llama3_8b``, ``llama3_70b``, ``llama3_405b``, ``mixtral_8x7b``) and the cluster (``cluster=``: ``this``,
+``h100x8``, ``h100x64``, ``h100x512``; ``experiments/conf/cluster``)::
+
+    python -m experiments.plan model=gpt3_175b cluster=h100x64 batch_size=1536 precisions=[bf16]
+    python -m experiments.plan model=llama3_8b cluster=h100x8 batch_size=8 fits=true layout=zero3 mesh=dp8 \\
+        precision=bf16 remat=true        # does it fit? yes/no and where the memory goes
+    python -m experiments.plan model=gpt_small explain=true layout=zero3+tp mesh=dp2_tp2   # one candidate's why
+    python -m experiments.plan calibrate    # measure this machine: writes experiments/conf/cluster/this.yaml
+    python -m experiments.plan validate     # predicted vs measured on 4 gloo processes (experiments.bench.plan)
+
+It prints the top ``top_k`` candidates (step time, peak memory and bytes sent per rank, exposed communication,
+compute, bubble) and the winner as the ``experiments.train`` overrides that run it. Nothing is allocated: the
+model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf, open_dict
+
+import shardings
+from experiments.build import ConfigError, model
+from experiments.config import ModelConf, register
+from shardings.planner import Candidate, Cluster, Space
+
+__all__ = ["PlanConf", "auto", "candidate", "load_cluster", "main", "parse_mesh"]
+
+CONF = Path(__file__).parent / "conf"
+
+
+@dataclass
+class PlanConf:
+    """``python -m experiments.plan``: plan a model on a cluster; or check one candidate (``fits``, ``explain``)."""
+
+    defaults: list[Any] = field(default_factory=lambda: ["_self_", {"model": "gpt_small"}, {"cluster": "this"}])
+    model: ModelConf = field(default_factory=ModelConf)
+    cluster: Any = None  # a member of experiments/conf/cluster (shardings.planner.Cluster's fields)
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int | None = None  # tokens per sequence; null -> the model config's seq_len
+    top_k: int = 10  # rows printed, and candidates run exactly on fake tensors
+    budget_s: float = 40.0  # seconds of exact predictions at most
+    precisions: list[str] = field(default_factory=lambda: ["fp32"])  # fp32 | bf16 | fp16 to try
+    remats: list[Any] = field(default_factory=lambda: [False, True])  # remat choices to try (false, true, offload)
+    max_cp: int = 1  # the largest context-parallel degree tried
+    max_pp: int = 16  # the largest pipeline-parallel degree tried
+    max_microbatches: int = 64  # the most microbatches (pipeline or accumulation) tried
+    offload: bool = True  # try the offload presets
+    fits: bool = False  # answer yes/no for the candidate below, with its memory breakdown
+    explain: bool = False  # explain the candidate below: where its time and memory go, its rank
+    layout: str | None = None  # the candidate for fits/explain ...
+    mesh: str | None = None  # ... its mesh, major to minor (dp8_tp2)
+    microbatches: int = 1  # ... its microbatches (with pp: the pipeline's; default pp size)
+    schedule: str | None = None  # ... with pp: its schedule (default 1f1b)
+    remat: Any = False  # ... its remat (false, true, offload)
+    precision: str = "fp32"  # ... its precision
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp8_pp4_tp2"`` -> ``{"dp": 8, "pp": 4, "tp": 2}`` (the experiments' mesh names).
+
+    Raises:
+        ConfigError: a part that is not an axis name followed by its size.
+    """
+    sizes = {}
+    for part in text.split("_"):
+        name = part.rstrip("0123456789")
+        if not name or name == part:
+            raise ConfigError(f"mesh={text!r}: {part!r} is not an axis name and size. Fix: write e.g. mesh=dp8_tp2.")
+        sizes[name] = int(part[len(name):])
+    return sizes
+
+
+def load_cluster(name: str) -> Cluster:
+    """The cluster ``name`` from ``experiments/conf/cluster`` (Hydra defaults applied)."""
+    register()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
+        cfg = compose("plan", overrides=[f"cluster={name}"])
+    return Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
+
+
+def candidate(cfg: Any) -> Candidate:
+    """The candidate ``cfg`` names (``layout``, ``mesh``, ...), its layout spelled canonically."""
+    if not cfg.layout or not cfg.mesh:
+        raise ConfigError("fits/explain need a candidate. Fix: add layout=... mesh=... (e.g. layout=zero3 mesh=dp8).")
+    try:
+        layout = shardings.layouts.get(cfg.layout)
+    except ValueError as e:
+        raise ConfigError(f"layout={cfg.layout!r}: {e}") from None
+    sizes = parse_mesh(cfg.mesh)
+    if layout.pipelined:
+        m = cfg.microbatches if cfg.microbatches > 1 else sizes.get("pp", 1)
+        return Candidate(layout.name, tuple(sizes.items()), m, cfg.schedule or shardings.pipeline.DEFAULT_SCHEDULE,
+                         None, cfg.remat, cfg.precision)
+    return Candidate(layout.name, tuple(sizes.items()), cfg.microbatches, None, None, cfg.remat, cfg.precision)
+
+
+def run(cfg: Any) -> str:
+    """Plan (or check one candidate) for the composed ``plan`` config; the text to print."""
+    module, model_cfg = model(cfg.model)
+    cluster = Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
+    seq = cfg.seq_len or model_cfg.seq_len
+    batch = (cfg.batch_size, seq)
+    if cfg.fits or cfg.explain:
+        cand = candidate(cfg)
+        world = 1
+        for n in cand.sizes.values():
+            world *= n
+        if world != cluster.world:
+            raise ConfigError(f"mesh={cfg.mesh} has {world} ranks but cluster {cluster.name} has {cluster.world}. "
+                              f"Fix: a mesh of {cluster.world} ranks, or another cluster.")
+        ranking = shardings.plan(module, model_cfg, batch, cluster, candidates=[cand], top_k=1, budget_s=1e9)
+        return str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)
+    space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
+                  max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
+    ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
+    return ranking.table(cfg.top_k)
+
+
+_PRECISION_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def auto(cfg: Any) -> Any:
+    """``layout=auto`` in a composed ``train`` config: plan the configured model, batch and world size on this
+    machine's cluster (``cluster/this.yaml``, one node of that many ranks), print the table, and return a copy of
+    ``cfg`` with the winner's layout, mesh, pipeline and accumulation (the precision and remat as configured).
+    Any other layout: ``cfg`` unchanged."""
+    if str(cfg.layout) != "auto":
+        return cfg
+    module, model_cfg = model(cfg.model)
+    world = (cfg.get("runtime") or {}).get("world_size") or math.prod(dict(cfg.mesh.sizes).values())
+    cluster = dataclasses.replace(load_cluster("this"), nodes=1, per_node=world)
+    data = cfg.get("data")
+    seq = (data.seq_len if data is not None else None) or model_cfg.seq_len
+    precision = _PRECISION_NAMES.get(str((cfg.get("precision") or {}).get("compute", "float32")), "fp32")
+    space = Space(precisions=(precision,), remat=(model_cfg.remat,), offload=False)
+    ranking = shardings.plan(module, model_cfg, (data.batch_size, seq), cluster, space=space, top_k=5, budget_s=20)
+    print(ranking.table(5))
+    best = ranking.winner.candidate
+    out = cfg.copy()
+    with open_dict(out):
+        out.layout, out.mesh.sizes = best.layout, dict(best.sizes)
+        if best.pipelined:
+            out.pipeline.schedule, out.pipeline.microbatches = best.schedule, best.microbatches
+            out.pipeline.virtual_stages = best.virtual_stages
+        else:
+            out.accum_steps = best.microbatches
+    return out
+
+
+def _store() -> None:
+    ConfigStore.instance().store(name="plan", node=PlanConf)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Compose the ``plan`` config from ``argv`` overrides and print the plan; return the exit code.
+
+    ``calibrate`` and ``validate`` as the first argument run those instead (module docstring).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["calibrate"]:
+        return _calibrate(args[1:])
+    if args[:1] == ["validate"]:
+        from experiments.bench import plan as bench
+
+        bench.main(args[1:])
+        return 0
+    register()
+    _store()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
+            cfg = compose("plan", overrides=args)
+        print(run(cfg))
+    except (ConfigError, HydraException, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _calibrate(args: list[str]) -> int:
+    from experiments.calibrate import calibrate, write
+
+    world = int(args[0]) if args else 4
+    path = write(calibrate(world), CONF / "cluster" / "this.yaml")
+    print(f"wrote {path}")
+    return 0
+
+
+_store()
+
+if __name__ == "__main__":
+    sys.exit(main())
+

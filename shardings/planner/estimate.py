@@ -1,0 +1,256 @@
+"""The quick estimate of a candidate, for every candidate of a search: formulas over exact per-leaf counts.
+
+Model state is exact: each leaf's bytes per role come from its specs (:mod:`shardings.planner.model_state`),
+as the train step's ``metrics["memory"]`` counts them. The rest is estimated, in microseconds, so that tens of
+thousands of candidates can be ranked before the best few are run on fake tensors
+(:mod:`shardings.planner.exact`):
+
+- parameter collectives from each leaf's role transitions, ring bytes as ``shardings.comms()`` counts them:
+  ZeRO-3 gathers (forward, and again in backward for the blocks; once per step under ``pp``), gradient
+  reduce-scatters and all-reduces in the reduce dtype, ZeRO-1/2's gather of the updated parameters;
+- activation collectives per block and microbatch from the model's shape (``cfg.dim``, heads, experts): tensor
+  parallelism's 4 all-reduces of the residual stream (sequence parallelism: 4 all-gathers and 4
+  reduce-scatters), ring attention's passes of K/V, the experts' 4 all-to-alls, the pipeline's carries;
+- FLOPs, other ops' bytes, ops and saved activations per row from the model's one-device profile
+  (:mod:`shardings.planner.model_profile`), divided by the tensor and context split.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from shardings.pipeline import build
+from shardings.planner import model_state
+from shardings.planner.candidates import Candidate, layout_of
+from shardings.planner.model_profile import Profile
+from shardings.planner.prediction import Prediction
+from shardings.spec import layouts
+
+__all__ = ["DTYPES", "estimate", "pipeline_facts", "stage_blocks"]
+
+DTYPES = {"fp32": (None, None), "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
+_BUCKET = 25 * 2**20  # bytes per bucketed collective (shardings.comm.buckets.DEFAULT_BUCKET_MB)
+_RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_facts(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[float, int] | None:
+    """``(bubble, most microbatches in flight on a rank)`` of a registered schedule, or ``None`` if it cannot be
+    built for these sizes (its own checks)."""
+    try:
+        s = build(schedule, pp, microbatches, virtual_stages=virtual_stages)
+    except ValueError:
+        return None
+    return s.bubble(), max(s.peak_in_flight())
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_blocks(layers: int, pp: int, stages: int) -> int:
+    """The most blocks one pipeline rank runs: stages split evenly (one more on the first ones), round robin."""
+    sizes = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    return max(sum(sizes[s] for s in range(r, stages, pp)) for r in range(pp))
+
+
+def _sent(kind: str, n: int, nbytes: float) -> float:
+    return _RING.get(kind, 1) * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+class _Comm:
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], list[float]] = {}
+
+    def add(self, kind: str, axis: str, nbytes: float, count: float = 1.0, n: int | None = None) -> None:
+        sent = nbytes if n is None else _sent(kind, n, nbytes)
+        if sent <= 0:
+            return
+        row = self.rows.setdefault((kind, axis), [0.0, 0.0])
+        row[0] += count
+        row[1] += sent
+
+    def frozen(self) -> dict[tuple[str, str], tuple[int, Fraction]]:
+        return {k: (max(1, round(c)), Fraction(round(b))) for k, (c, b) in self.rows.items()}
+
+
+def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, profiles: dict[Any, Profile],
+             period: int) -> Prediction | None:
+    """The estimated :class:`~shardings.planner.prediction.Prediction` of ``cand`` (``None``: its pipeline
+    schedule cannot be built for its sizes).
+
+    Args:
+        model: the model module.
+        cfg: its config (``seq_len``: tokens per row).
+        rows: the global batch in rows.
+        cand: the candidate.
+        optimizer: the optimizer (its state per parameter element).
+        profiles: the model's one-device profile per ``(compute dtype, remat)``.
+        period: the blocks' period.
+    """
+    layout = layout_of(cand.layout)
+    sizes = cand.sizes
+    compute, reduce = DTYPES[cand.precision]
+    stage = tuple((a, n) for a, n in sizes.items() if a != "pp") or (("dp", 1),)  # as Mesh.without("pp")
+    leaves = model_state.leaves(model, cfg, cand.layout, stage, period)
+    pp, m, layers = cand.size("pp"), cand.microbatches, cfg.layers
+    bubble, in_flight, blocks = 0.0, 1, layers
+    if cand.pipelined:
+        facts = pipeline_facts(cand.schedule, pp, m, cand.virtual_stages)
+        if facts is None:
+            return None
+        bubble, in_flight = facts
+        blocks = stage_blocks(layers, pp, pp * (cand.virtual_stages or _stages_per_rank(cand.schedule)))
+    reps = blocks / period  # periods of blocks on the busiest rank
+    prof = profiles[(compute, bool(cand.remat))]
+    data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
+    local_rows = rows / data
+    t, c = cand.size("tp"), cand.size("cp")
+    sp = "sp" in layout.presets
+    comm = _Comm()
+    state = _state(leaves, reps, compute, reduce, model_state.optimizer_factor(optimizer), layout)
+    _param_comm(comm, leaves, reps, sizes, compute, reduce, m if not cand.pipelined else 1, layout)
+    width = (compute or torch.float32).itemsize
+    _activation_comm(comm, cfg, cand, local_rows / m, blocks, width, sp, layout)
+    # compute: the profile's per-row numbers, this rank's rows, split over tp (and cp's sequence)
+    split = t * c
+    flops = (prof.block.flops * blocks + prof.edge.flops) * local_rows / split
+    matmuls = (prof.block.matmuls * blocks + prof.edge.matmuls) * m
+    moves = (prof.block.moves * blocks + prof.edge.moves) * m
+    moved = (prof.block.bytes * blocks + prof.edge.bytes) * local_rows / split + 7 * state["opt_bytes"]
+    dtensor = split > 1 or any(layouts.preset(p).group in ("ep",) for p in layout.presets)
+    ops = (prof.block.ops * blocks + prof.edge.ops) * m * (1.3 if dtensor else 1.2)
+    saved = _saved(prof, blocks, local_rows / m, t, c, sp, in_flight)
+    per_microbatch = _saved(prof, blocks, local_rows / m, t, c, sp, 2) - _saved(prof, blocks, local_rows / m, t, c,
+                                                                                 sp, 1)
+    buffers = _buffers(leaves, reps, compute, layout, cand, prof, local_rows / m, split)
+    memory = {"params": state["params"], "compute": state["compute"], "grads": state["grads"],
+              "opt_state": state["opt_state"], "activations": saved, "buffers": buffers}
+    host = sum(memory[r] for r in layout.host)
+    for r in layout.host:
+        memory[r] = 0.0
+    rows_comm = comm.frozen()
+    dtype = str(compute or torch.float32).removeprefix("torch.")
+    return Prediction(cand, False, rows_comm, rows_comm, memory, host,
+                      {dtype: flops}, {dtype: matmuls}, moved, moves,
+                      {"local": ops, "dtensor": ops * 0.05 if dtensor else 0.0}, bubble,
+                      _overlapped(rows_comm, layout, cand), blocks,
+                      per_microbatch if cand.pipelined else 0.0)
+
+
+def _stages_per_rank(schedule: str) -> int:
+    from shardings.pipeline.schedule import stages_per_rank
+
+    return stages_per_rank(schedule)
+
+
+def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
+           factor: float, layout: layouts.Layout) -> dict[str, float]:
+    out = dict.fromkeys(("params", "compute", "grads", "opt_state", "opt_bytes"), 0.0)
+    for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
+        for leaf in group:
+            size = leaf.itemsize
+            out["params"] += k * leaf.numel["params"] * size
+            if compute is not None and leaf.floating:
+                out["compute"] += k * leaf.numel["params"] * compute.itemsize
+            out["grads"] += k * leaf.numel["held"] * (reduce.itemsize if reduce and leaf.floating else size)
+            out["opt_state"] += k * leaf.numel["opt_state"] * size * factor
+            out["opt_bytes"] += k * leaf.numel["opt_state"] * size
+    return out
+
+
+def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dict[str, int],
+                compute: torch.dtype | None, reduce: torch.dtype | None, gathers_per_step: int,
+                layout: layouts.Layout) -> None:
+    for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
+        for leaf in group:
+            width = compute.itemsize if compute and leaf.floating else leaf.itemsize
+            grad = (reduce.itemsize if reduce and leaf.floating else leaf.itemsize) * leaf.numel["compute"]
+            full = leaf.numel["compute"] * width
+            times = gathers_per_step * (2 if leaf.in_blocks else 1)
+            for a in leaf.gather:
+                comm.add("all_gather", a, k * times * full, k * times * full / _BUCKET, sizes[a])
+            shard = grad
+            for a in leaf.scatter:
+                comm.add("reduce_scatter", a, k * shard, k * shard / _BUCKET, sizes[a])
+                shard /= sizes[a]
+            for a in leaf.reduce:
+                comm.add("all_reduce", a, k * shard, k * shard / _BUCKET, sizes[a])
+            for a in leaf.regather:
+                stored = leaf.numel["params"] * leaf.itemsize
+                comm.add("all_gather", a, k * stored, k * stored / _BUCKET, sizes[a])
+            if "opt_state" in layout.host:
+                moved = leaf.numel["opt_state"] * leaf.itemsize
+                comm.add("d2h", "host", k * (2 * moved), k)
+                comm.add("h2d", "host", k * moved, k)
+            if "params" in layout.host:
+                stored = leaf.numel["params"] * leaf.itemsize
+                comm.add("h2d", "host", k * stored, k)
+                comm.add("d2h", "host", k * stored, k)
+
+
+def _activation_comm(comm: _Comm, cfg: Any, cand: Candidate, rows_mb: float, blocks: int, width: int, sp: bool,
+                     layout: layouts.Layout) -> None:
+    """Collectives of activations per step on one rank, from the model's shape (``dim``, heads, experts)."""
+    t, c, m = cand.size("tp"), cand.size("cp"), cand.microbatches
+    dim = getattr(cfg, "dim", 0)
+    tokens = rows_mb * cfg.seq_len / c  # one microbatch's tokens on this rank
+    residual = tokens * dim * width
+    if t > 1:
+        if sp:
+            comm.add("all_gather", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)
+            comm.add("reduce_scatter", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)
+        else:
+            comm.add("all_reduce", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)
+        comm.add("all_reduce", "tp", m * (residual + 3 * tokens * 4), 4 * m, t)  # vocab-parallel embedding, loss
+    if c > 1:
+        kv = tokens * max(1, getattr(cfg, "n_kv_heads", 1) // t) * getattr(cfg, "d_head", dim) * width * 2
+        if "cp_allgather" in layout.presets:
+            comm.add("all_gather", "cp", 2 * blocks * m * kv * c, 2 * blocks * m, c)
+            comm.add("reduce_scatter", "cp", blocks * m * kv * c, blocks * m, c)
+        else:
+            comm.add("ppermute", "cp", 3 * (c - 1) * blocks * m * kv, 3 * (c - 1) * blocks * m)
+    if cand.size("ep") > 1 and getattr(cfg, "experts", 0):
+        n, k, e = cand.size("ep"), getattr(cfg, "top_k", 1), cfg.experts
+        factor = getattr(cfg, "capacity_factor", None)
+        slots = cfg.seq_len if factor is None else math.ceil(factor * cfg.seq_len * k / e)
+        buffer = rows_mb * e * slots * dim * width
+        moe = blocks / getattr(cfg, "moe_every", 1)
+        comm.add("all_to_all", "ep", 4 * moe * m * buffer, 4 * moe * m, n)
+    if cand.pipelined:
+        sends = 2 * m * (cand.virtual_stages or 1)
+        comm.add("send", "pp", sends * residual / (t if sp else 1), sends)
+
+
+def _saved(prof: Profile, blocks: int, rows_mb: float, t: int, c: int, sp: bool, in_flight: int) -> float:
+    def split(part: Any) -> float:
+        rest = part.saved - part.saved_residual
+        return (part.saved_residual / (t if sp else 1) + rest / t) / c
+
+    return (split(prof.block) * blocks * in_flight + split(prof.edge)) * rows_mb
+
+
+def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, layout: layouts.Layout,
+             cand: Candidate, prof: Profile, rows_mb: float, split: int) -> float:
+    """Gathered parameters and transient gradients: ZeRO-3 holds two blocks gathered (one prefetched) and their
+    gradients, or under ``pp`` the whole stage gathered for the step; a remat block's activations in backward."""
+    def gathered(group: Any, k: float) -> float:
+        return sum(k * leaf.numel["compute"] * (compute.itemsize if compute and leaf.floating else leaf.itemsize)
+                   for leaf in group if leaf.gather)
+
+    block = gathered(leaves.period, 1.0 / leaves.period_blocks)
+    out = gathered(leaves.edge, 1.0) + (gathered(leaves.period, reps) if cand.pipelined else 4 * block)
+    if cand.remat:
+        out += prof.block.saved * rows_mb / split  # one block's activations, recomputed in backward
+    return out
+
+
+def _overlapped(rows: dict[tuple[str, str], Any], layout: layouts.Layout, cand: Candidate) -> frozenset:
+    """Collectives the local path overlaps with compute: data-parallel reductions launched in backward, ZeRO-3's
+    prefetched gathers (layouts that split only the batch, without ``pp``)."""
+    if cand.pipelined or any(cand.size(a) > 1 for a in ("tp", "cp", "ep")):
+        return frozenset()
+    sharded = any(layouts.preset(p).layout.params.names for p in layout.presets)  # storage split: zero3, hsdp
+    return frozenset(k for k in rows if k[1] in ("dp", "fsdp") and (k[0] != "all_gather" or sharded))

@@ -1,0 +1,184 @@
+"""The exact prediction of a candidate: its real train step run on fake tensors, extrapolated in blocks.
+
+A step's collectives and bytes are exactly affine in the number of blocks ``L`` when the blocks repeat (each
+adds the same gathers, reductions and activation collectives), so two fake steps at ``L = 2p`` and ``3p``
+(``p`` the blocks' period; not ``p``: with one block the gathered block and the last one coincide, and the
+peak is affine only from two on) give every count at the model's real ``L``. Measured, not modelled: the
+bytes per collective kind × mesh axis equal what ``shardings.comms()`` counts for a simulated step.
+
+A pipelined candidate's step runs every stage in one process on simulated ranks, and its collectives are
+those of its stage mesh for all blocks plus the carries sent between ranks; the microbatches ``m`` add
+per-microbatch collectives. So its fake steps run on the mesh with ``pp = 1`` (one stage holding the blocks, the
+same collectives), at ``L ∈ {2p, 3p}`` × ``m ∈ {1, 2}`` microbatches of the candidate's microbatch size, and
+the counts are bilinear in ``(L, m)``; the carries (``2·m`` per stage boundary that crosses ranks, each one
+microbatch's residual stream) are added from the schedule. A real pipeline rank holds the parameters
+outside the blocks and its own blocks: its numbers are the same bilinear form at its blocks, and its peak adds
+the activations of the microbatches its schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+import core
+from shardings.pipeline import build
+from shardings.planner import estimate as estimates
+from shardings.planner.candidates import Candidate, layout_of
+from shardings.planner.fake_step import Measured, measure
+from shardings.planner.prediction import Prediction
+
+__all__ = ["exact", "pipeline_sends"]
+
+_POLICIES = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed, "fp16": core.precision.Policy.fp16_mixed}
+
+
+def _policy(name: str) -> Any:
+    make = _POLICIES[name]
+    return make() if make else None
+
+
+@functools.lru_cache(maxsize=256)
+def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], rows: int, precision: str,
+             microbatches: int, optimizer: Any) -> Measured:
+    pipelined = layout_of(layout).pipelined
+    return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
+                   precision=_policy(precision), microbatches=microbatches,
+                   schedule="1f1b" if pipelined else None)
+
+
+def _values(m: Measured) -> dict[str, Any]:
+    """A measurement as named numbers (comm rows as ``comm/kind/axis/count|bytes``) for extrapolation."""
+    out: dict[str, Any] = {"peak": m.peak, "at_entry": m.at_entry, "bytes": m.bytes, "moves": m.moves,
+                           **{f"role/{k}": v for k, v in m.roles.items()},
+                           **{f"flops/{k}": v for k, v in m.flops.items()},
+                           **{f"matmuls/{k}": v for k, v in m.matmuls.items()},
+                           **{f"ops/{k}": v for k, v in m.ops.items()}}
+    for (kind, axis), (count, nbytes) in m.comm.items():
+        out[f"comm/{kind}/{axis}/count"] = count
+        out[f"comm/{kind}/{axis}/bytes"] = nbytes
+    if m.saved is not None:
+        out["saved"] = max(m.saved)
+    return out
+
+
+def _affine(points: dict[tuple[int, int], dict[str, Any]], period: int, blocks: float, m: int) -> dict[str, Any]:
+    """Each value at ``blocks`` blocks and ``m`` microbatches, from runs at ``L ∈ {2p, 3p}`` (× ``m ∈ {1, 2}``
+    when given): affine in ``L``, bilinear in ``(L, m)``."""
+    la = 2 * period
+    x = Fraction(blocks - la) / period if isinstance(blocks, int) else (blocks - la) / period
+    keys = set().union(*points.values())
+    get = lambda p, k: points[p].get(k, 0)
+    out = {}
+    for k in keys:
+        v00, v10 = get((la, 1), k), get((la + period, 1), k)
+        value = v00 + (v10 - v00) * x
+        if (la, 2) in points:
+            v01, v11 = get((la, 2), k), get((la + period, 2), k)
+            value += (v01 - v00) * (m - 1) + (v11 - v10 - v01 + v00) * x * (m - 1)
+        out[k] = value
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_sends(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[int, int]:
+    """``(messages in all, most messages one rank sends)`` per step: each stage boundary between two ranks
+    carries every microbatch's activation forward and its gradient back."""
+    s = build(schedule, pp, microbatches, virtual_stages=virtual_stages)
+    crossing = [b for b in range(s.stages - 1) if s.rank_of(b) != s.rank_of(b + 1)]
+    per_rank = [0] * pp
+    for b in crossing:
+        per_rank[s.rank_of(b)] += 1  # the activation forward
+        per_rank[s.rank_of(b + 1)] += 1  # its gradient back
+    return 2 * len(crossing) * microbatches, max(per_rank) * microbatches
+
+
+def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int,
+          estimated: Prediction) -> Prediction:
+    """The exact :class:`~shardings.planner.prediction.Prediction` of ``cand`` (module docstring); ``estimated``
+    (its quick estimate) splits the measured transient bytes into activations and buffers for the breakdown.
+
+    Raises:
+        ValueError, ShardingError: the step refuses the candidate (what ``shardings.train_step`` raises).
+    """
+    layout = layout_of(cand.layout)
+    la = 2 * period
+    if not cand.pipelined:
+        mesh, m = tuple(cand.mesh), cand.microbatches
+        # accumulation repeats the microbatch: past 2 the counts are affine in m (runs at 1 and 2 microbatches of
+        # the candidate's size), and what is live at once (peak, roles) is the 2-microbatch run's
+        ks = (1, 2) if m > 2 else (m,)
+        points = {(L, k if m > 2 else 1): _values(_measure(
+                      model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout, mesh,
+                      rows // m * k, cand.precision, k, optimizer))
+                  for L in (la, la + period) for k in ks}
+        rank = total = _affine(points, period, cfg.layers, m)
+        if m > 2:
+            held = _affine({(L, 1): v for (L, k), v in points.items() if k == 2}, period, cfg.layers, 1)
+            rank |= {k: v for k, v in held.items() if k in ("peak", "at_entry") or k.startswith("role/")}
+        blocks = cfg.layers
+        sends = (0, 0)
+    else:
+        mesh = tuple((a, 1 if a == "pp" else n) for a, n in cand.mesh)
+        rows_mb = rows // cand.microbatches
+        points = {(L, k): _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout,
+                                           mesh, rows_mb * k, cand.precision, k, optimizer))
+                  for L in (la, la + period) for k in (1, 2)}
+        blocks = estimated.blocks
+        total = _affine(points, period, cfg.layers, cand.microbatches)
+        rank = _affine(points, period, blocks, cand.microbatches)
+        sends = pipeline_sends(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
+    carry = _carry_bytes(cfg, rows, cand)
+    comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
+    host = sum(float(rank.get(f"role/{r}", 0)) for r in ("host",))
+    peak = float(rank["peak"]) - host
+    if cand.pipelined:
+        # the probe runs one microbatch at a time: add the activations of the others the rank's schedule keeps in
+        # flight (estimated per microbatch from the model's profile), and the gradients of the step before, which
+        # the pipeline step keeps in its last result (PipelineStep.last) until the next one ends
+        one = _affine({k: v for k, v in points.items() if k[1] == 1}, period, blocks, 1)
+        in_flight = estimates.pipeline_facts(cand.schedule, cand.size("pp"), cand.microbatches,
+                                             cand.virtual_stages)[1]
+        peak = float(one["peak"]) - host + (in_flight - 1) * estimated.per_microbatch + float(rank["role/grads"])
+    memory = {r: float(rank.get(f"role/{r}", 0)) for r in ("params", "compute", "grads", "opt_state")}
+    for r in layout.host:
+        memory[r] = 0.0
+    rest = max(0.0, peak - sum(memory.values()))
+    activations = min(rest, estimated.memory["activations"])
+    memory |= {"activations": activations, "buffers": rest - activations}
+    flops = {k.removeprefix("flops/"): float(v) for k, v in rank.items() if k.startswith("flops/")}
+    ops = {k.removeprefix("ops/"): float(v) for k, v in rank.items() if k.startswith("ops/")}
+    matmuls = {k.removeprefix("matmuls/"): float(v) for k, v in rank.items() if k.startswith("matmuls/")}
+    return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
+                               flops=flops, matmuls=matmuls, bytes=float(rank["bytes"]), moves=float(rank["moves"]),
+                               ops=ops,
+                               overlapped=estimates._overlapped(comm, layout, cand))
+
+
+def _carry_bytes(cfg: Any, rows: int, cand: Candidate) -> Fraction:
+    """Bytes of one microbatch's residual stream on one rank: the carry a stage sends (laid out by the activation
+    rules: rows over the data axes, the sequence over cp, and over tp too under sp)."""
+    if not cand.pipelined:
+        return Fraction(0)
+    layout = layout_of(cand.layout)
+    width = (estimates.DTYPES[cand.precision][0] or torch.float32).itemsize
+    data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
+    seq = cfg.seq_len // (cand.size("cp") * (cand.size("tp") if "sp" in layout.presets else 1))
+    return Fraction(rows // cand.microbatches // data * seq * cfg.dim * width)
+
+
+def _rows(values: dict[str, Any], sends: int, carry: Fraction) -> dict[tuple[str, str], tuple[int, Fraction]]:
+    out: dict[tuple[str, str], tuple[int, Fraction]] = {}
+    for k, v in values.items():
+        if k.startswith("comm/") and k.endswith("/bytes"):
+            _, kind, axis, _ = k.split("/")
+            count = values.get(f"comm/{kind}/{axis}/count", 0)
+            if v or count:
+                out[(kind, axis)] = (round(count), Fraction(v))
+    if sends:
+        out[("send", "pp")] = (sends, sends * carry)
+    return out

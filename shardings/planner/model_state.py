@@ -1,0 +1,116 @@
+"""Each parameter's bytes per rank in every role, and what moves it between roles, from its specs alone.
+
+No tensor is made: the model's init runs deferred (recipes: shapes and dtypes), the layout's rule tables give
+each leaf's spec per role (:func:`shardings.step.initialize.param_specs`, as the train step resolves them), and
+a rank's block of a ``shape`` under a spec has ``∏ ceil(n / axis size)`` elements (torch's first-rank split).
+The blocks of a model repeat with a period (:func:`~shardings.planner.model_profile.block_period`), so one
+period's leaves stand for all of them: :class:`Leaves` has the leaves outside the blocks (``edge``) and one
+period's (``period``), each with its per-role element counts and the collectives its role transitions take
+(:class:`Moves`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+
+import core
+from core import deferred, tree
+from shardings.pipeline.stages import block_index
+from shardings.planner.candidates import layout_of
+from shardings.spec.mesh import Mesh, P
+from shardings.spec.rules import logical_to_spec
+from shardings.step.initialize import param_specs
+
+__all__ = ["Leaf", "Leaves", "leaves", "optimizer_factor"]
+
+_ROLES = ("params", "compute", "grads", "opt_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter: elements a rank holds per role, and the mesh axes its role transitions cross.
+
+    Attributes:
+        numel: elements per rank by role (``params`` storage, ``compute``, ``held`` gradient (what the step holds:
+            the grads role if reduced in backward or gathered, else compute), ``opt_state`` placement).
+        itemsize: bytes per element of the parameter (its storage dtype).
+        floating: a floating-point parameter (cast by a precision policy).
+        gather: axes its storage is split over and its compute is not (ZeRO-3: gathered before use).
+        scatter: axes its gradient is reduce-scattered over (into a sharded optimizer state).
+        reduce: axes its gradient is all-reduced over (the data axes its optimizer state is replicated on).
+        regather: axes its updated storage is all-gathered back over (ZeRO-1/2: stored whole, updated in shards).
+        in_blocks: it is a block's parameter (``params["blocks"][i]``): ZeRO-3 re-gathers it in backward.
+    """
+
+    numel: dict[str, int]
+    itemsize: int
+    floating: bool
+    gather: tuple[str, ...]
+    scatter: tuple[str, ...]
+    reduce: tuple[str, ...]
+    regather: tuple[str, ...]
+    in_blocks: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+    """The leaves outside the blocks and those of one period of blocks, on one (stage) mesh."""
+
+    edge: tuple[Leaf, ...]
+    period: tuple[Leaf, ...]
+    period_blocks: int
+
+
+def _local(shape: tuple[int, ...], spec: P, mesh: Mesh) -> int:
+    dims = spec.dim_axes() + ((),) * len(shape)
+    return math.prod(-(-n // mesh.axis_size(a)) for n, a in zip(shape, dims))
+
+
+def _axes(spec: P) -> set[str]:
+    return set(spec.axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...], period: int) -> Leaves:
+    """Per-role elements and transitions of every leaf, for ``cfg`` with ``period`` blocks, under ``layout`` on
+    the mesh ``sizes`` (a pipelined layout's stage mesh: ``pp`` left out)."""
+    layout_ = layout_of(layout)
+    mesh = Mesh(dict(sizes))
+    small = dataclasses.replace(cfg, layers=period)
+    with deferred.deferred():
+        recipes = model.init(core.random.key(0), small)
+    axes = model.axes(small)
+    specs = {r: tree.leaves(param_specs(axes, recipes, layout_, mesh, role=r), is_leaf=lambda s: isinstance(s, P))
+             for r in _ROLES}
+    batch = logical_to_spec(("batch", "seq"), layout_.role("batch"), mesh)
+    data = [a for a in batch.axes if mesh.axis_size(a) > 1]
+    edge, block = [], []
+    for i, (path, recipe) in enumerate(tree.leaves_with_path(recipes)):
+        shape = tuple(recipe.shape)
+        s, c, g, o = (specs[r][i] for r in _ROLES)
+        gathered = s != c
+        reduce_now = g != c and not gathered
+        numel = {"params": _local(shape, s, mesh), "compute": _local(shape, c, mesh),
+                 "held": _local(shape, g if reduce_now or gathered else c, mesh), "opt_state": _local(shape, o, mesh)}
+        partial = [a for a in data if a not in _axes(c)]  # gradients come out summed over nothing else
+        scatter = tuple(a for a in partial if a in _axes(o))
+        leaf = Leaf(numel, recipe.dtype.itemsize, recipe.dtype.is_floating_point,
+                    tuple(a for a in _axes(s) - _axes(c) if mesh.axis_size(a) > 1), scatter,
+                    tuple(a for a in partial if a not in scatter),
+                    tuple(a for a in _axes(o) - _axes(s) if a in data) if not gathered else (),
+                    block_index(path) is not None)
+        (block if leaf.in_blocks else edge).append(leaf)
+    return Leaves(tuple(edge), tuple(block), period)
+
+
+@functools.lru_cache(maxsize=64)
+def optimizer_factor(optimizer: Any) -> float:
+    """Elements of optimizer state per parameter element (AdamW: 2), from its ``init`` on a meta tensor."""
+    state = optimizer.init({"w": torch.empty(1024, device="meta")})
+    return sum(x.numel() for x in tree.leaves(state) if isinstance(x, torch.Tensor) and x.numel() > 1) / 1024
+

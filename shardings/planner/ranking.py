@@ -1,0 +1,188 @@
+"""The planner's answer: candidates ranked by predicted step time, why each number, and what was dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from shardings.planner.candidates import Candidate
+from shardings.planner.cluster import Cluster
+from shardings.planner.cost import Timing, step_time
+from shardings.planner.prediction import MEMORY_ROLES, Prediction
+
+__all__ = ["Fit", "Ranking", "Row", "describe_drop", "gb"]
+
+
+def gb(n: float) -> str:
+    """Bytes as GB (decimal, as device memory is sold), or MB/KB below a GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}" if abs(n) < 100 * size else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A ranked candidate: its prediction and step time."""
+
+    prediction: Prediction
+    timing: Timing
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.prediction.candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Does a candidate fit in device memory? ``bool(fit)`` says; ``str(fit)`` gives the breakdown."""
+
+    candidate: Candidate
+    peak: float
+    memory: float
+    breakdown: dict[str, float]
+    exact: bool
+
+    def __bool__(self) -> bool:
+        return self.peak <= self.memory
+
+    def __str__(self) -> str:
+        verdict = "yes" if self else "no"
+        how = "run on fake tensors" if self.exact else "estimated"
+        lines = [f"fits: {verdict} — {self.candidate}: {gb(self.peak)} per rank at the peak "
+                 f"{'<=' if self else '>'} {gb(self.memory)} ({how})"]
+        lines += [f"  {role:<12}{gb(b):>10}" for role, b in self.breakdown.items()]
+        return "\n".join(lines)
+
+
+class Ranking:
+    """Candidates ranked by predicted step time, fastest first (what :func:`shardings.plan` returns).
+
+    Attributes:
+        rows: the candidates that fit, fastest first.
+        dropped: ``candidate -> why`` for those that do not fit (or cannot run).
+        cluster: the cluster planned for.
+        seconds: how long the search took.
+        searched: how many candidates were considered.
+    """
+
+    def __init__(self, rows: list[Row], dropped: dict[Candidate, str], cluster: Cluster, seconds: float,
+                 searched: int, predict: Callable[[Candidate], Prediction]):
+        self.rows = sorted(rows, key=lambda r: r.timing.total)
+        self.dropped, self.cluster, self.seconds, self.searched = dropped, cluster, seconds, searched
+        self._predict = predict
+
+    @property
+    def winner(self) -> Row:
+        """The fastest candidate whose numbers come from fake steps (else the fastest estimate)."""
+        exact = [r for r in self.rows if r.prediction.exact]
+        if not (exact or self.rows):
+            raise ValueError("no candidate fits: see Ranking.dropped for why. Fix: more ranks, a smaller batch, "
+                             "remat or offload in the search space")
+        return (exact or self.rows)[0]
+
+    def overrides(self) -> list[str]:
+        """The winner as ``experiments.train`` overrides."""
+        return self.winner.candidate.overrides()
+
+    def rank_of(self, candidate: Candidate) -> int | None:
+        """The 1-based rank of ``candidate`` among those that fit, or ``None``."""
+        for i, r in enumerate(self.rows):
+            if r.candidate == candidate:
+                return i + 1
+        return None
+
+    def row(self, candidate: Candidate) -> Row:
+        """``candidate``'s row (predicted on demand, exactly, when the search did not reach it)."""
+        for r in self.rows:
+            if r.candidate == candidate and r.prediction.exact:
+                return r
+        pred = self._predict(candidate)
+        return Row(pred, step_time(pred, self.cluster))
+
+    def fits(self, candidate: Candidate) -> Fit:
+        """Whether ``candidate`` fits in a rank's memory, with its breakdown (run on fake tensors)."""
+        pred = self.row(candidate).prediction
+        return Fit(candidate, pred.peak, self.cluster.memory, dict(pred.memory), pred.exact)
+
+    def table(self, k: int = 10) -> str:
+        """The top ``k`` as a text table: step time, memory, comm, compute, bubble, exact or estimated."""
+        head = f"{'#':>3}  {'step':>9}  {'peak/rank':>10}  {'comm/rank':>10}  {'exposed':>9}  {'compute':>9}  " \
+               f"{'bubble':>6}  candidate"
+        lines = [f"{self.searched} candidates on {self.cluster.name} ({self.cluster.world} ranks, "
+                 f"{gb(self.cluster.memory)} each) in {self.seconds:.1f} s; {len(self.dropped)} dropped; "
+                 "~: estimated (not run on fake tensors)", head]
+        for i, r in enumerate(self.rows[:k]):
+            p, t = r.prediction, r.timing
+            mark = " " if p.exact else "~"
+            lines.append(f"{i + 1:>3}{mark} {_seconds(t.total):>9}  {gb(p.peak):>10}  {gb(float(p.comm_bytes())):>10}  "
+                         f"{_seconds(t.exposed):>9}  {_seconds(t.busy):>9}  {p.bubble:>6.1%}  {r.candidate}")
+        if self.rows:
+            lines.append("winner: " + " ".join(self.overrides()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def explain(self, candidate: Candidate) -> str:
+        """Where ``candidate``'s step time and memory go, and why it ranks where it does (or was dropped)."""
+        if candidate in self.dropped and not self._ranked(candidate):
+            row = self.row(candidate)
+            return "\n".join([f"{candidate}: dropped — {self.dropped[candidate]}", self._breakdown(row)])
+        row = self.row(candidate)
+        rank = self.rank_of(candidate)
+        lines = [f"{candidate}: rank {rank} of {len(self.rows)}" if rank else f"{candidate}: not ranked",
+                 self._breakdown(row)]
+        if self.rows and candidate != self.winner.candidate:
+            lines.append(self._versus(row, self.winner))
+        return "\n".join(lines)
+
+    def _ranked(self, candidate: Candidate) -> bool:
+        return any(r.candidate == candidate for r in self.rows)
+
+    def _breakdown(self, row: Row) -> str:
+        p, t = row.prediction, row.timing
+        how = "run on fake tensors (bytes exact)" if p.exact else "estimated"
+        lines = [f"  predicted step {_seconds(t.total)} ({how})",
+                 f"  memory per rank: {gb(p.peak)} of {gb(self.cluster.memory)}"
+                 + (f"; {gb(p.host)} in host memory" if p.host else "")]
+        lines += [f"    {role:<12}{gb(p.memory.get(role, 0)):>10}" for role in MEMORY_ROLES]
+        flops = sum(p.flops.values())
+        lines.append(f"  compute: {flops / 1e12:.3g} TFLOP per rank ({', '.join(p.flops) or '-'}), "
+                     f"{gb(p.bytes)} moved by other ops: {_seconds(t.compute)}; dispatch {p.ops.get('local', 0):.0f} "
+                     f"ops + {p.ops.get('dtensor', 0):.0f} on DTensors: {_seconds(t.dispatch)}")
+        lines.append(f"  communication per rank: {gb(float(p.comm_bytes()))} in {_seconds(sum(t.comm.values()))}, "
+                     f"{_seconds(t.hidden)} hidden behind compute")
+        for (kind, axis), (count, nbytes) in sorted(p.comm.items(), key=lambda kv: -kv[1][1]):
+            over = " (overlapped)" if (kind, axis) in p.overlapped else ""
+            lines.append(f"    {kind:<15}{axis:<6}{count:>7} × {gb(float(nbytes)):>10}  "
+                         f"{_seconds(t.comm[(kind, axis)])}{over}")
+        if p.candidate.pipelined:
+            lines.append(f"  pipeline: {p.candidate.schedule}, {p.candidate.microbatches} microbatches, "
+                         f"{p.blocks} blocks on the busiest rank, bubble {p.bubble:.1%}: {_seconds(t.bubble)}")
+        return "\n".join(lines)
+
+    def _versus(self, row: Row, best: Row) -> str:
+        """One line: the component that costs ``row`` most against the winner, in numbers."""
+        a, b = row.timing, best.timing
+        parts = {"compute": (a.busy, b.busy), "exposed communication": (a.exposed, b.exposed),
+                 "pipeline bubble": (a.bubble, b.bubble)}
+        name, (x, y) = max(parts.items(), key=lambda kv: kv[1][0] - kv[1][1])
+        ratio = a.total / b.total if b.total else float("inf")
+        why = f"{name} {_seconds(x)} vs {_seconds(y)}"
+        if name == "exposed communication":
+            mine, theirs = float(row.prediction.comm_bytes()), float(best.prediction.comm_bytes())
+            why += f" ({mine / theirs:.2g}× the comm bytes)" if theirs else f" ({gb(mine)} sent, the winner none)"
+        return f"  vs the winner ({best.candidate}): {ratio:.2f}× its step; mostly {why}"
+
+
+def describe_drop(pred: Prediction, cluster: Cluster) -> str:
+    """Why a prediction does not fit: ``"does not fit: 94 GB > 80 GB (opt_state 60 GB, ...)"``."""
+    parts = ", ".join(f"{r} {gb(b)}" for r, b in sorted(pred.memory.items(), key=lambda kv: -kv[1])[:3] if b)
+    how = "" if pred.exact else " (estimated)"
+    return f"does not fit: {gb(pred.peak)} > {gb(cluster.memory)}{how} ({parts})"
+
