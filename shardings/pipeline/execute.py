@@ -49,7 +49,7 @@ from shardings.pipeline.wire import Message, Wire, cached_templates
 from shardings.runtime.compat import pytree
 from shardings.runtime.simulate import simulated
 
-__all__ = ["Message", "Result", "SavedActivations", "Timed", "run"]
+__all__ = ["Message", "Result", "SavedActivations", "Timed", "in_process", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +297,12 @@ def _check_once(schedule: Schedule) -> None:
         _CHECKED[id(schedule)] = schedule
 
 
+def in_process(pp: int) -> bool:
+    """Whether every pipeline rank's actions run in this process: on simulated ranks, or with one ``pp`` rank (then
+    the mesh has no pipeline peers to message). Otherwise each real process runs its own rank's actions."""
+    return pp == 1 or simulated()
+
+
 def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatches: Sequence[Any],
         weights: Sequence[float], *, mesh: Any = None, carry_layout: Any = None) -> Result:
     """Run ``schedule``; ``weights[i]``: microbatch ``i``'s token share (module docstring).
@@ -320,7 +326,7 @@ def run(schedule: Schedule, stages: Stages, split: Split, params: Any, microbatc
         raise ValueError(f"pipeline run: schedule for {schedule.stages} stages, m={schedule.microbatches}, but a split "
                          f"into {split.stages} stages, {len(microbatches)} microbatches and {len(weights)} weights. "
                          "Fix: build the schedule and the split for the same pp and pass one weight per microbatch.")
-    if mesh is not None and schedule.pp > 1 and not simulated():  # one pipeline rank: every stage here
+    if mesh is not None and not in_process(schedule.pp):
         return _run_rank(schedule, stages, split, params, microbatches, weights, mesh, carry_layout)
     runner = _Runner(schedule, stages, split, params, microbatches, weights, _Mailbox(schedule))
     pending = [list(actions) for actions in schedule.ranks]

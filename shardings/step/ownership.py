@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 import core
 from core import tree
 from shardings.pipeline import Plan
+from shardings.pipeline.execute import in_process
 from shardings.runtime.compat import compute_local_shape_and_global_offset
-from shardings.runtime.simulate import simulated
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh
 
@@ -94,7 +94,7 @@ WHOLE = Ownership()
 def ownership(plan: Plan | None, params: Any, mesh: Mesh) -> Ownership:
     """This process's leaves of ``params`` (or of a tree shaped like them) under a pipeline ``plan`` on ``mesh``
     (the whole mesh, with its ``pp`` axis): every leaf without a plan, with one pipeline rank, or on simulated ranks."""
-    if plan is None or plan.pp == 1 or simulated():
+    if plan is None or in_process(plan.pp):
         return WHOLE
     dm = mesh.device_mesh
     return Ownership(tuple(plan.owners(params)), dm.get_local_rank("pp"), dm.get_group("pp"))

@@ -46,9 +46,9 @@ from core import tree
 from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Plan, Result, Stages, run
+from shardings.pipeline.execute import in_process
 from shardings.residency import gather_buckets
 from shardings.runtime.compat import implicit_replication
-from shardings.runtime.simulate import simulated
 from shardings.spec import lower
 from shardings.spec.context import use
 from shardings.spec.layouts import Layout
@@ -83,7 +83,7 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
     carry = (step.loss_fn, _CarryPlacements(step.loss_fn, step.layout, step.mesh), step.mesh.device_mesh)
     # every stage in this process (execute.run's answer): the rules also where backward recomputes a remat block,
     # outside the stage's call (real ranks build their carry templates without them: remat + pp there is open)
-    here = simulated() or pipe.pp == 1
+    here = in_process(pipe.pp)
     # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
     with implicit_replication(), use(step.mesh, step.layout) if here else contextlib.nullcontext():
         result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,

@@ -15,14 +15,11 @@ import core
 from core import deferred, tree
 from shardings.comm.buckets import DEFAULT_BUCKET_MB
 from shardings.pipeline import plan as pipeline_plan
-from shardings.runtime.simulate import per_rank, simulate
-from shardings.spec.distribute import gather
 from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
-from shardings.step.initialize import init as sharded_init
-from shardings.step.train_step import train_step
 from shardings.testing.power import Judge, Limit, detection_limit, summarize, unknown_patterns
 from shardings.testing.report import Report, Row
+from shardings.testing.sharded_runs import StagesOf, run_layout
 from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, largest, tolerance
 
 __all__ = ["EquivalenceError", "Limit", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
@@ -145,68 +142,6 @@ def _allowed(g: torch.Tensor, terms: int, ulps: float, dtype: torch.dtype | None
     return tol.atol + tol.rtol * g.detach().abs()
 
 
-def _rank_values(full_tree: Any) -> list[Any]:
-    """One plain tree per rank (ranks must each hold the same full values)."""
-    leaves, treedef = tree.flatten(full_tree)
-    per = [per_rank(x) for x in leaves]  # copies: a donating step writes the next step into these buffers
-    ranks = max(map(len, per), default=1)  # a plain tensor (one value) is every rank's value
-    return [tree.unflatten(treedef, [p[r if len(p) > 1 else 0].clone() for p in per]) for r in range(ranks)]
-
-
-def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
-    """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
-    optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
-    where = {"plan": step_kw["plan"]} if "plan" in step_kw else {}  # pp: which rank runs which stage
-    params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
-    loss_fn = loss_fn.build() if isinstance(loss_fn, _StagesOf) else loss_fn
-    step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
-    state = step.init(params)
-    sync = getattr(step, "gather_stages", lambda t: t)  # pp on real ranks: each block from the rank that owns it
-    out = []
-    for _ in range(steps):
-        scale = step.loss_scale(state)  # fp16: the loss scale the state carries (None otherwise)
-        loss, grads, _ = step.grads(params, batch) if scale is None else step.grads(params, batch, scale)
-        params, state = step.apply(params, state, grads)
-        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        out.append(_rank_values({"loss": loss, "grads": gather(sync(grads)), "params": gather(sync(params))}))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _StagesOf:
-    """A model's stages, built where the train step runs (a Stages holds lambdas: it does not pickle)."""
-
-    factory: Callable[[Any], Any]
-    cfg: Any
-
-    def build(self) -> Any:
-        return self.factory(self.cfg)
-
-
-def _worker(*args: Any) -> list[Any]:
-    # One real rank: its own full copies of loss/grads/params per step (plain CPU tensors).
-    return [ranks[0] for ranks in _sharded_run(*args)]
-
-
-def _run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
-    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
-    if runtime == "simulate":
-        with simulate(mesh.size):
-            return _sharded_run(*args)
-    if runtime != "multiprocess":
-        raise ValueError(f"check_equivalence: runtime must be 'simulate' or 'multiprocess', got {runtime!r}")
-    if isinstance(optimizer, core.optim.GradientTransformation):
-        raise TypeError(
-            "check_equivalence(runtime='multiprocess') sends the optimizer to other processes, and a "
-            "GradientTransformation holds closures that cannot be pickled. Fix: pass a factory, e.g. "
-            "optimizer=functools.partial(core.optim.adamw, 1e-3)."
-        )
-    from shardings.runtime.launch import launch
-
-    per_rank_steps = launch(_worker, mesh.size, *args)
-    return [list(step) for step in zip(*per_rank_steps)]
-
-
 def check_equivalence(
     init: Callable[[Any, Any], Any],
     loss: Callable[..., torch.Tensor],
@@ -327,9 +262,9 @@ def check_equivalence(
                                      "stages=model.stages (a function of cfg), e.g. stages=models.gpt.stages.")
                 with deferred.deferred():  # shapes only: what the pipeline plan's split balances
                     shapes = init(key, cfg)
-                layout_loss, step_kw["plan"] = _StagesOf(stages, cfg), pipeline_plan(
+                layout_loss, step_kw["plan"] = StagesOf(stages, cfg), pipeline_plan(
                     layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks)
-            runs[layout.name + suffix] = functools.partial(_run_layout, runtime, init, layout_loss, axes, cfg, batch,
+            runs[layout.name + suffix] = functools.partial(run_layout, runtime, init, layout_loss, axes, cfg, batch,
                                                            optimizer, steps, key, layout, mesh, step_kw)
         reports.append(check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm,
                                   seed=seed, terms=terms, ulps=ulps, raise_on_failure=False, precision=policy,

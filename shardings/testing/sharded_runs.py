@@ -1,0 +1,79 @@
+"""One layout's side of an equivalence check: train it on simulated or real ranks and collect, per step, every
+rank's full loss, gradients and parameters (what :mod:`shardings.testing.equivalence` compares with one device)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import core
+from core import tree
+from shardings.runtime.simulate import per_rank, simulate
+from shardings.spec.distribute import gather
+from shardings.step.initialize import init as sharded_init
+from shardings.step.train_step import train_step
+
+__all__ = ["StagesOf", "run_layout"]
+
+
+def _rank_values(full_tree: Any) -> list[Any]:
+    """One plain tree per rank (ranks must each hold the same full values)."""
+    leaves, treedef = tree.flatten(full_tree)
+    per = [per_rank(x) for x in leaves]  # copies: a donating step writes the next step into these buffers
+    ranks = max(map(len, per), default=1)  # a plain tensor (one value) is every rank's value
+    return [tree.unflatten(treedef, [p[r if len(p) > 1 else 0].clone() for p in per]) for r in range(ranks)]
+
+
+def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
+    """Per step, one ``{"loss", "grads", "params"}`` tree of full values per rank this process holds."""
+    optimizer = optimizer() if not isinstance(optimizer, core.optim.GradientTransformation) else optimizer
+    where = {"plan": step_kw["plan"]} if "plan" in step_kw else {}  # pp: which rank runs which stage
+    params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
+    loss_fn = loss_fn.build() if isinstance(loss_fn, StagesOf) else loss_fn
+    step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
+    state = step.init(params)
+    sync = getattr(step, "gather_stages", lambda t: t)  # pp on real ranks: each block from the rank that owns it
+    out = []
+    for _ in range(steps):
+        scale = step.loss_scale(state)  # fp16: the loss scale the state carries (None otherwise)
+        loss, grads, _ = step.grads(params, batch) if scale is None else step.grads(params, batch, scale)
+        params, state = step.apply(params, state, grads)
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        out.append(_rank_values({"loss": loss, "grads": gather(sync(grads)), "params": gather(sync(params))}))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StagesOf:
+    """A model's stages, built where the train step runs (a Stages holds lambdas: it does not pickle)."""
+
+    factory: Callable[[Any], Any]
+    cfg: Any
+
+    def build(self) -> Any:
+        return self.factory(self.cfg)
+
+
+def _worker(*args: Any) -> list[Any]:
+    # One real rank: its own full copies of loss/grads/params per step (plain CPU tensors).
+    return [ranks[0] for ranks in _sharded_run(*args)]
+
+
+def run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
+    args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
+    if runtime == "simulate":
+        with simulate(mesh.size):
+            return _sharded_run(*args)
+    if runtime != "multiprocess":
+        raise ValueError(f"check_equivalence: runtime must be 'simulate' or 'multiprocess', got {runtime!r}")
+    if isinstance(optimizer, core.optim.GradientTransformation):
+        raise TypeError(
+            "check_equivalence(runtime='multiprocess') sends the optimizer to other processes, and a "
+            "GradientTransformation holds closures that cannot be pickled. Fix: pass a factory, e.g. "
+            "optimizer=functools.partial(core.optim.adamw, 1e-3)."
+        )
+    from shardings.runtime.launch import launch
+
+    per_rank_steps = launch(_worker, mesh.size, *args)
+    return [list(step) for step in zip(*per_rank_steps)]
