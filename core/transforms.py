@@ -8,6 +8,7 @@ inputs are never mutated, and the differentiated leaves are fresh detached alias
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -144,6 +145,13 @@ def remat(fn: Callable[..., Any] | None = None, *,
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+        if torch.compiler.is_compiling():  # a traced graph has its context baked in
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+        # backward recomputes ``fn`` wherever it runs (a pipeline rank's backward runs outside the stage's call):
+        # it must see the context variables forward saw (``shardings.use``'s mesh and rules), so both run in
+        # one snapshot of them
+        ambient = contextvars.copy_context()
+        return torch.utils.checkpoint.checkpoint(functools.partial(ambient.run, fn), *args, use_reentrant=False,
+                                                 **extra, **kwargs)
 
     return wrapped

@@ -37,7 +37,6 @@ instead of one block's) from the first forward to the last backward, next to the
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -46,7 +45,6 @@ from core import tree
 from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
 from shardings.pipeline import Plan, Result, Stages, run
-from shardings.pipeline.execute import in_process
 from shardings.residency import gather_buckets
 from shardings.runtime.compat import implicit_replication
 from shardings.spec import lower
@@ -81,11 +79,8 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
         weights = [w * scale for w in weights]
     compute = tree.unflatten(plan.treedef, _gather_once(step, plan, params))
     carry = (step.loss_fn, _CarryPlacements(step.loss_fn, step.layout, step.mesh), step.mesh.device_mesh)
-    # every stage in this process (execute.run's answer): the rules also where backward recomputes a remat block,
-    # outside the stage's call (real ranks build their carry templates without them: remat + pp there is open)
-    here = in_process(pipe.pp)
     # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
-    with implicit_replication(), use(step.mesh, step.layout) if here else contextlib.nullcontext():
+    with implicit_replication():
         result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
                      carry_layout=carry)
     step.last = result

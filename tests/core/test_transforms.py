@@ -1,5 +1,6 @@
 """core.transforms: grad/value_and_grad vs torch.autograd, higher order, remat, vmap, jit, purity."""
 
+import contextvars
 import itertools
 
 import pytest
@@ -287,3 +288,20 @@ def test_value_and_grad_on_dtensor_pytree():
     for g, r in zip(tree.leaves(full), tree.leaves(ref_grads), strict=True):
         for v in per_rank(g):
             assert_close(v, r)
+
+
+_AMBIENT = contextvars.ContextVar("ambient", default=1.0)
+
+
+def test_remat_recomputes_under_the_context_forward_saw():
+    # backward runs outside the `set` below (as a pipeline rank's backward runs outside the stage's call): the
+    # recompute must still read 3.0, or its saved values would not match forward's
+    def scaled(x):
+        return torch.sin(x * _AMBIENT.get())
+
+    x = torch.linspace(-1, 1, 5, requires_grad=True)
+    token = _AMBIENT.set(3.0)
+    y = core.remat(scaled)(x).sum()
+    _AMBIENT.reset(token)
+    (g,) = torch.autograd.grad(y, x)
+    torch.testing.assert_close(g, 3.0 * torch.cos(3.0 * x.detach()))

@@ -13,6 +13,8 @@ from shardings.testing import check_equivalence
 # 5 blocks on 4 stages; a tied embedding: its gradient is summed from the first and the last rank
 FIVE = models.gpt.Config(vocab=64, dim=32, layers=5, heads=4, kv_heads=2, seq_len=8, mlp=64, tie_embeddings=True)
 THREE = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_len=8, mlp=64)
+# backward recomputes a remat block outside the stage's call, where the stage's rules must still hold
+REMAT = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_len=8, mlp=64, remat=True)
 
 
 @pytest.mark.parametrize("layouts,mesh,cfg,schedule", [
@@ -20,7 +22,8 @@ THREE = models.gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_l
     (["dp+pp"], Mesh(dp=2, pp=2), THREE, "gpipe"),
     (["tp+sp+pp"], Mesh(dp=2, pp=2, tp=2), THREE, "1f1b"),
     (["zero3+pp"], Mesh(dp=2, pp=2), THREE, "1f1b"),  # gathered once per step; other stages' blocks not gathered
-], ids=["pp4", "dp2xpp2", "dp2xpp2xtp2", "zero3-dp2xpp2"])
+    (["tp+sp+pp"], Mesh(pp=2, tp=2), REMAT, "zb_h1"),
+], ids=["pp4", "dp2xpp2", "dp2xpp2xtp2", "zero3-dp2xpp2", "remat-pp2xtp2"])
 def test_real_ranks_equal_one_device(layouts, mesh, cfg, schedule):
     batch = models.gpt.example_batch(cfg, 8, with_ignored=True)
     check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch, layouts=layouts, mesh=mesh,
