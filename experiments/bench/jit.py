@@ -6,11 +6,13 @@
 Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after another in one process:
 
 ``eager``
-    shardlab: ``core.value_and_grad(gpt.loss)`` + ``core.optim.adamw`` update + ``apply_updates`` on
-    plain tensors (:func:`make_step`).
+    shardlab: ``core.value_and_grad(gpt.loss)`` + ``core.optim.adamw``'s ``fused_step`` on plain tensors
+    (:func:`make_step` with ``donate=True``: torch's fused AdamW kernel in place, as ``train_step(donate=True)``
+    runs it and as the native row's optimizer does).
 ``jit``
     that whole step under ``core.jit`` (inductor; on CPU it needs a C++ compiler) as **one graph** —
-    forward, backward and the foreach optimizer update — under :func:`whole_step_tracing`, which
+    forward, backward and the pure optimizer update (``update`` + ``apply_updates``) — under
+    :func:`whole_step_tracing`, which
     lifts the two graph breaks a plain ``core.jit(step)`` hits (``--as-is`` adds that row,
     ``jit_as_is``, with its graph count):
 
@@ -90,8 +92,12 @@ def _autocast(device: str, dtype: torch.dtype | None) -> contextlib.AbstractCont
     return torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def make_step(cfg: gpt.Config, opt: optim.GradientTransformation, autocast: torch.dtype | None = None) -> Step:
+def make_step(cfg: gpt.Config, opt: optim.GradientTransformation, autocast: torch.dtype | None = None,
+              donate: bool = False) -> Step:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)``: grad, AdamW update, apply.
+
+    ``donate=True`` updates params and state in place by ``opt.fused_step`` (eager only: a compiled step
+    keeps the pure update).
 
     >>> cfg = gpt.Config(layers=1)
     >>> step = make_step(cfg, optim.adamw(1e-3))
@@ -108,6 +114,9 @@ def make_step(cfg: gpt.Config, opt: optim.GradientTransformation, autocast: torc
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, torch.Tensor]:
         loss, grads = value_and_grad(params, batch)
+        if donate:
+            params, opt_state = opt.fused_step(grads, opt_state, params)
+            return params, opt_state, loss
         updates, opt_state = opt.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss
 
@@ -235,6 +244,7 @@ def run(
     autocast = torch.bfloat16 if device == "cuda" else None
     opt = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     step, native_step = make_step(cfg, opt, autocast), make_native_step(autocast)
+    donating = make_step(cfg, opt, autocast, donate=True)
 
     def ours() -> list:
         copy = tree.map(lambda p: p.to(device, copy=True), params)
@@ -249,7 +259,7 @@ def run(
 
     none = contextlib.nullcontext
     plan = {  # name -> (build: () -> (step, state), tracing context), run in this order
-        "eager": (lambda: (step, ours()), none),
+        "eager": (lambda: (donating, ours()), none),
         "native": (lambda: (native_step, native()), none),
     }
     if compile:
