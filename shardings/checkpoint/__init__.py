@@ -43,6 +43,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -72,9 +73,29 @@ from shardings.checkpoint.files import _MetadataUnpickler as _MetadataUnpickler 
 from shardings.checkpoint.tensors import empty_like, is_absent, place_like, split_state
 from shardings.runtime.compat import maybe_disable_local_tensor_mode
 
-__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "latest", "load", "resume", "save"]
+__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "add_save_hook", "latest", "load", "resume", "save"]
 
 _PENDING: dict[str, PendingSave] = {}  # root path -> its save still being written (async)
+_SAVE_HOOKS: list[Callable[[str, str], None]] = []
+
+
+def add_save_hook(hook: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call ``hook(moment, folder)`` at each commit moment of every later save in this process; return its remover.
+
+    The moments: ``"written"`` (this rank's files are in ``folder``, the ``step_N.tmp`` being written; nothing
+    is committed yet) and ``"manifest"`` (rank 0 only: the manifest is written, the folder not yet renamed).
+    For fault drills (``experiments.drill``): a hook that kills the process or raises ``OSError(ENOSPC)`` there
+    shows that such a save is never taken for a complete checkpoint.
+
+    >>> remove = add_save_hook(lambda moment, folder: print(moment, folder))  # doctest: +SKIP
+    """
+    _SAVE_HOOKS.append(hook)
+    return lambda: _SAVE_HOOKS.remove(hook)
+
+
+def _at(moment: str, folder: str) -> None:
+    for hook in list(_SAVE_HOOKS):
+        hook(moment, folder)
 
 
 # -- where things are -------------------------------------------------------------------------------
@@ -213,6 +234,7 @@ def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) ->
     tmp, final = os.path.join(root, f"step_{step}.tmp"), os.path.join(root, f"step_{step}")
     rank = _rank()
     mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata"))
+    _at("written", tmp)
     files = [_describe_files(tmp, mine)]
     if _distributed():
         files = [None] * dist.get_world_size()
@@ -220,6 +242,7 @@ def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) ->
     if rank == 0:
         manifest = {**manifest, "time": time.time(), "files": {k: v for part in files for k, v in part.items()}}
         _write_manifest(tmp, manifest)
+        _at("manifest", tmp)
         if os.path.exists(final):
             os.replace(final, final + ".old")
         os.replace(tmp, final)
