@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from experiments.drill.families import FAMILIES
-from experiments.drill.faults import IN_SAVE
-from experiments.drill.harness import EXTERNAL, Drill, pick, run_drill
+from experiments.drill.faults import IN_MODEL, IN_SAVE
+from experiments.drill.harness import EXTERNAL, Drill, Result, pick, run_drill
 from experiments.drill.table import markdown, write
 
-FAULTS = (*EXTERNAL, *IN_SAVE)
+FAULTS = (*EXTERNAL, *IN_SAVE, *IN_MODEL)
 _PER_FAMILY = 10  # the full matrix: this many drills per family (random faults, ranks and moments)
 
 
@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out, results, started = Path(args.out), [], time.monotonic()
     for i, drill in enumerate(matrix(args.quick, args.seed, args.only, args.faults)):
-        results.append(run_drill(drill, out, f"drill_{i:03d}"))
+        try:
+            results.append(run_drill(drill, out, f"drill_{i:03d}"))
+        except Exception as e:  # the harness itself failed (a job that cannot start): a failed row, not a crash
+            results.append(Result(drill.fault, drill.family.name, drill.rank, drill.when, None, "", None, None, "-",
+                                  False, f"the drill could not run: {type(e).__name__}: {e}".splitlines()[0]))
         r = results[-1]
         print(f"[{i + 1}] {r.fault} on {r.layout}, rank {r.rank}, {r.when}: "
               f"{'ok' if r.ok else 'FAILED: ' + r.problem} ({r.exit_s} s to exit)", flush=True)

@@ -1,7 +1,9 @@
 """Faults a drill plants inside its ranks, armed from the model config (never from the library's step).
 
 A drill's job runs a drill model module (:mod:`experiments.drill.mlp`, :mod:`experiments.drill.moe`): a
-reference model plus the :class:`Faults` fields. Its ``init`` (run once per rank) calls :func:`arm`, which
+reference model plus the :class:`Faults` fields. Its ``loss`` and pipeline stages go through :func:`poisoned`
+(the ``nan`` fault: one rank's loss, or first stage's output, times NaN during one step). Its ``init`` (run once
+per rank) calls :func:`arm`, which
 leaves the rank's pid where the drill's watcher finds it (``<drill_dir>/pid_rank<r>``: faults from outside,
 SIGKILL or SIGSTOP at a moment the watcher picks) and, for a fault inside ``checkpoint.save``, installs a
 ``shardings.checkpoint.add_save_hook`` hook on the chosen rank. Every run of a drill (the uninterrupted one, the
@@ -14,18 +16,21 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from shardings import checkpoint
+from shardings import checkpoint, pipeline
 
-__all__ = ["IN_SAVE", "Faults", "arm", "mark_struck"]
+__all__ = ["IN_MODEL", "IN_SAVE", "Faults", "arm", "mark_struck", "poisoned", "poisoned_stages", "wrap"]
 
 IN_SAVE = ("save_written", "save_manifest")  # SIGKILL at a checkpoint.save moment (add_save_hook's)
+IN_MODEL = ("nan",)  # a batch whose loss is NaN on one rank, during one step
 STRUCK = "struck"  # <drill_dir>/struck: when the fault struck (time.time()), written just before it strikes
 _ARMED: set[str] = set()  # drill dirs this process armed (init may run more than once per rank)
+_CALLS = [0]  # calls of the poisoned function with real (not meta) tensors in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +38,10 @@ class Faults:
     """The fault fields a drill model's ``Config`` adds; the defaults plant nothing."""
 
     drill_dir: str = ""  # where ranks leave their pids and the fault its time; "" = not in a drill
-    fault: str = "none"  # none | save_written | save_manifest (in-rank); external faults need only the pids
+    fault: str = "none"  # none | save_written | save_manifest | nan (in-rank); external faults need only the pids
     fault_rank: int = 0  # the rank the in-rank fault strikes
-    fault_step: int = 0  # the step whose checkpoint.save it strikes
+    fault_step: int = 0  # the step whose checkpoint.save it strikes, or whose batch is poisoned
+    fault_calls: int = 1  # calls of loss (or of the first stage: one per microbatch) per step on a rank
 
 
 def mark_struck(drill_dir: str, what: str) -> None:
@@ -60,14 +66,61 @@ def _save_killer(cfg: Faults) -> Any:
     return hook
 
 
+def _poison_now(cfg: Faults, x: Any) -> bool:
+    """Whether this call (the loss, or the first stage) is one of step ``fault_step``'s on the fault's rank."""
+    if cfg.fault != "nan" or getattr(x, "device", None) is None or x.device.type == "meta":
+        return False  # meta: a pipeline tracing its stages' shapes, not a step
+    _CALLS[0] += 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    first = (cfg.fault_step - 1) * cfg.fault_calls
+    if rank == cfg.fault_rank and first < _CALLS[0] <= first + cfg.fault_calls:
+        if cfg.drill_dir:
+            mark_struck(cfg.drill_dir, f"NaN batch on rank {rank} at step {cfg.fault_step}")
+        return True
+    return False
+
+
+def poisoned(fn: Callable[..., Any], cfg: Faults) -> Callable[..., Any]:
+    """``fn`` (a loss, or a first stage) whose result is times NaN in step ``cfg.fault_step`` under the nan fault."""
+
+    def call(*args: Any) -> Any:
+        out = fn(*args)
+        return out * float("nan") if _poison_now(cfg, out) else out
+
+    return call
+
+
+def poisoned_stages(stages: pipeline.Stages, cfg: Faults) -> pipeline.Stages:
+    """A model's pipeline stages whose first stage is :func:`poisoned`."""
+    return dataclasses.replace(stages, first=poisoned(stages.first, cfg))
+
+
 def arm(cfg: Faults) -> None:
     """On a real rank of a drill: leave this process's pid, and install the in-rank fault on its rank (once)."""
     if not cfg.drill_dir or not dist.is_initialized() or cfg.drill_dir in _ARMED:
         return
     _ARMED.add(cfg.drill_dir)
+    _CALLS[0] = 0
     rank = dist.get_rank()
     _write_pid(cfg.drill_dir, rank)
     if cfg.fault in IN_SAVE and rank == cfg.fault_rank:
         checkpoint.add_save_hook(_save_killer(cfg))
-    elif cfg.fault not in ("none", *IN_SAVE):
-        raise ValueError(f"drill: unknown fault {cfg.fault!r}. Fix: one of none, {', '.join(IN_SAVE)}.")
+    elif cfg.fault not in ("none", *IN_SAVE, *IN_MODEL):
+        raise ValueError(f"drill: unknown fault {cfg.fault!r}. Fix: one of none, {', '.join(IN_SAVE + IN_MODEL)}.")
+
+
+def wrap(model: Any) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(init, loss, stages)`` of a drill model module over the reference ``model``: init arms the rank, loss and
+    the first stage are :func:`poisoned`."""
+
+    def init(key: Any, cfg: Any) -> Any:
+        arm(cfg)
+        return model.init(key, cfg)
+
+    def loss(params: Any, batch: Any, cfg: Any) -> Any:
+        return poisoned(model.loss, cfg)(params, batch, cfg)
+
+    def stages(cfg: Any) -> pipeline.Stages:
+        return poisoned_stages(model.stages(cfg), cfg)
+
+    return init, loss, stages

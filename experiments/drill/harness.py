@@ -28,13 +28,15 @@ from hydra import compose, initialize
 import shardings
 from experiments.config import app_overrides, own_model, register
 from experiments.drill.families import JOB, Family
-from experiments.drill.faults import IN_SAVE, STRUCK, mark_struck
+from experiments.drill.faults import IN_MODEL, IN_SAVE, STRUCK, mark_struck
 from experiments.train import run
 from shardings import checkpoint
 
-__all__ = ["EXTERNAL", "Drill", "Result", "reference", "run_drill"]
+__all__ = ["EXTERNAL", "Drill", "Result", "pick", "reference", "run_drill"]
 
-EXTERNAL = {"sigkill": signal.SIGKILL}  # faults the watcher sends from outside, once step `after` is logged
+# Faults the watcher sends from outside, once a step is logged; SIGSTOP hangs the rank (its peers must time out
+# naming it: shardings.runtime.watchdog).
+EXTERNAL = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 _STEPS = 6  # families.JOB's steps
 _WAIT_S = 120.0  # a faulted job still running this long after its fault: hung (runtime.timeout_s is 20)
 
@@ -54,6 +56,8 @@ class Drill:
     def when(self) -> str:
         if self.fault in IN_SAVE:
             return f"save of step {self.step} ({self.fault.removeprefix('save_')})"
+        if self.fault in IN_MODEL:
+            return f"step {self.step}'s batch"
         return f"{self.delay_ms} ms after step {self.step} was logged"
 
 
@@ -85,8 +89,8 @@ def _compose(overrides: list[str]) -> Any:
 
 
 def _job(family: Family, drill_dir: str, fault: str = "none", rank: int = 0, step: int = 0) -> Any:
-    fields = [f"model.config.drill_dir={drill_dir}", f"model.config.fault={fault}",
-              f"model.config.fault_rank={rank}", f"model.config.fault_step={step}"]
+    fields = [f"model.config.drill_dir={drill_dir}", f"model.config.fault={fault}", f"model.config.fault_rank={rank}",
+              f"model.config.fault_step={step}", f"model.config.fault_calls={family.calls}"]
     return _compose([*family.overrides, *JOB, *fields])
 
 
@@ -136,6 +140,29 @@ def _compare(got: Path, want: Path) -> str:
     return f"differs: {len(bad)} tensors, first {bad[0]}" if bad else "bitwise"
 
 
+def _must_name(drill: Drill) -> str:
+    """What the job's error must say: the rank that was struck, or the step and the leaf of a NaN batch."""
+    if drill.fault == "sigstop":
+        return f"rank {drill.rank} (silent"  # a peer timed out and the watchdog named the silent rank
+    if drill.fault == "nan":
+        return f"at step {drill.step}: the gradient of"
+    return f"rank {drill.rank} of {drill.family.world}"
+
+
+def _records(out: Path) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in map(json.loads, filter(None, (out / "metrics.jsonl").read_text().splitlines()))}
+
+
+def _skipped(drill: Drill, out: Path, result: Result) -> Result:
+    """fp16's NaN batch: the job must run on, the loss scale skipping the step and counting it."""
+    records = _records(out)
+    at, before = records[drill.step], records.get(drill.step - 1, {"skipped_steps": 0, "loss_scale": None})
+    result.error = f"none: step skipped (skipped_steps {at['skipped_steps']}, loss_scale {at['loss_scale']})"
+    result.ok = at["skipped_steps"] == before["skipped_steps"] + 1
+    result.problem = "" if result.ok else f"step {drill.step} was not counted as skipped: {at}"
+    return result
+
+
 def run_drill(drill: Drill, root: Path, name: str) -> Result:
     """Strike ``drill``'s fault into its job under ``root/name``, restart it, and compare with the reference."""
     family, out = drill.family, root / name
@@ -145,36 +172,34 @@ def run_drill(drill: Drill, root: Path, name: str) -> Result:
     drill_dir.mkdir(parents=True)
     result = Result(drill.fault, family.name, drill.rank, drill.when, None, "", None, None, "-", False)
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(drill, out, drill_dir, stop), daemon=True)
     if drill.fault in EXTERNAL:
-        watcher.start()
+        threading.Thread(target=_watch, args=(drill, out, drill_dir, stop), daemon=True).start()
+    inside = drill.fault if drill.fault not in EXTERNAL else "none"
     try:
-        run(_job(family, str(drill_dir), drill.fault if drill.fault in IN_SAVE else "none", drill.rank, drill.step),
-            str(out))
+        run(_job(family, str(drill_dir), inside, drill.rank, drill.step), str(out))
         error = None
     except shardings.LaunchError as e:
         error = e
     ended = time.time()
     stop.set()
     struck = drill_dir / STRUCK
+    if error is None and struck.exists() and drill.fault == "nan" and family.loss_scale:
+        return _skipped(drill, out, result)
+    result.error = str(error).splitlines()[0] if error else ""
     if error is None or not struck.exists():
-        result.problem = "the job ended without the fault striking" if error is None else f"failed unstruck: {error}"
-        result.error = str(error).splitlines()[0] if error else ""
+        result.problem = "the job ended without the fault striking" if error is None else "it failed, unstruck"
         return result
     result.exit_s = round(ended - float(struck.read_text().split()[0]), 2)
-    result.error = str(error).splitlines()[0]
     logged = max(_losses(out), default=0)
     struck_save = out / "checkpoints" / f"step_{drill.step}"
-    if drill.fault in IN_SAVE and checkpoint.latest(out / "checkpoints") == str(struck_save):
-        result.problem = f"the save of step {drill.step} killed mid-way was taken for a complete checkpoint"
+    taken = drill.fault in IN_SAVE and checkpoint.latest(out / "checkpoints") == str(struck_save)
     summary = run(_job(family, str(drill_dir)), str(out))  # the restart: no fault
     result.resumed_from = summary["resumed_from"]
     result.steps_lost = logged - result.resumed_from
     result.equal = _compare(out, want)
-    named = f"rank {drill.rank} of {family.world}" in result.error
-    problems = [result.problem,
+    problems = [f"the save of step {drill.step}, killed mid-way, was taken for a complete checkpoint" if taken else "",
                 "resumed unequal" if result.equal != "bitwise" else "",
-                "" if named else f"the error names no rank {drill.rank}",
+                "" if _must_name(drill) in result.error else f"the error does not say {_must_name(drill)!r}",
                 "the job hung past its timeout" if result.exit_s > _WAIT_S else ""]
     result.problem = "; ".join(p for p in problems if p)
     result.ok = not result.problem
@@ -186,4 +211,7 @@ def pick(family: Family, fault: str, rng: random.Random) -> Drill:
     if fault in IN_SAVE:
         return Drill(family, fault, 0 if fault == "save_manifest" else rng.randrange(family.world),
                      rng.choice(range(2, _STEPS + 1, 2)))
+    if fault in IN_MODEL:  # pipelines: a rank of the first stage (pp is the mesh's minor axis: even ranks)
+        ranks = range(0, family.world, 2 if family.calls > 1 else 1)
+        return Drill(family, fault, rng.choice(ranks), rng.randrange(2, _STEPS + 1))
     return Drill(family, fault, rng.randrange(family.world), rng.randrange(1, _STEPS), rng.randrange(0, 200))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
-from experiments.drill.faults import Faults, arm
+from experiments.drill.faults import Faults, wrap
 from models import mlp
 
 
@@ -16,11 +14,8 @@ class Config(mlp.Config, Faults):
     """``mlp.Config`` plus :class:`Faults`."""
 
 
-def init(key: torch.Tensor, cfg: Config) -> dict[str, Any]:
-    """``mlp.init``, once the rank is armed."""
-    arm(cfg)
-    return mlp.init(key, cfg)
+init, loss, stages = wrap(mlp)
 
 
 def __getattr__(name: str) -> Any:
-    return getattr(mlp, name)  # axes, loss, stages, example_batch, ...: mlp's own
+    return getattr(mlp, name)  # axes, example_batch, ...: mlp's own

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
-from experiments.drill.faults import Faults, arm
+from experiments.drill.faults import Faults, wrap
 from models import moe
 
 
@@ -16,11 +14,8 @@ class Config(moe.Config, Faults):
     """``moe.Config`` plus :class:`Faults`."""
 
 
-def init(key: torch.Tensor, cfg: Config) -> dict[str, Any]:
-    """``moe.init``, once the rank is armed."""
-    arm(cfg)
-    return moe.init(key, cfg)
+init, loss, stages = wrap(moe)
 
 
 def __getattr__(name: str) -> Any:
-    return getattr(moe, name)  # axes, loss, example_batch, ...: moe's own
+    return getattr(moe, name)  # axes, example_batch, ...: moe's own

@@ -146,7 +146,13 @@ class Wire:
             return self.local.pop((kind, stage, mb))
         boundary, sender = (stage - 1, stage - 1) if kind == "F" else (stage, stage + 1)
         buf = torch.empty(self.layouts[boundary].nbytes, dtype=torch.uint8)
-        dist.irecv(buf, src=self._peer(sender), group=self.group, tag=self._tag(kind, boundary, mb)).wait()
+        peer = self._peer(sender)
+        try:
+            dist.irecv(buf, src=peer, group=self.group, tag=self._tag(kind, boundary, mb)).wait()
+        except RuntimeError as e:  # a timeout or a closed connection: say which message from whom
+            what = "activations" if kind == "F" else "input gradient"
+            raise RuntimeError(f"pipeline: stage {stage} waited for the {what} of microbatch {mb} from rank {peer} "
+                               f"(stage {sender}) and got none ({type(e).__name__}: {e})") from e
         return self.layouts[boundary].unpack(buf)
 
     def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:

@@ -36,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from core import tree
+from shardings.runtime import watchdog
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
 
@@ -127,11 +128,19 @@ def _to_cpu(x: Any) -> Any:
     return x.detach().cpu() if isinstance(x, torch.Tensor) else x
 
 
+def _heartbeats(error_dir: str) -> str:
+    return os.path.join(os.path.dirname(error_dir), "heartbeats")
+
+
 def _report(e: BaseException, error_dir: str) -> None:
-    """Leave the exception that ends this rank where the launcher finds it (the first one only)."""
-    path = os.path.join(error_dir, f"rank{os.environ['RANK']}.json")
+    """Leave the exception that ends this rank where the launcher finds it (the first one only), with the peers
+    that had stopped answering by then (:func:`shardings.runtime.watchdog.explain`)."""
+    rank = int(os.environ["RANK"])
+    path = os.path.join(error_dir, f"rank{rank}.json")
     if not os.path.exists(path):
-        report = {"time": time.time(), "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        why = watchdog.explain(e, _heartbeats(error_dir), int(os.environ["WORLD_SIZE"]), rank)
+        report = {"time": time.time(), "type": type(e).__name__, "message": f"{why}: {e}" if why else str(e),
+                  "traceback": traceback.format_exc()}
         with open(path, "w") as f:
             json.dump(report, f)
 
@@ -144,7 +153,7 @@ def _worker(
     if (backend or _default_backend()) == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share this machine's cores
     try:
-        with _process_group(backend, timeout):
+        with watchdog.beating(_heartbeats(error_dir), int(os.environ["RANK"])), _process_group(backend, timeout):
             try:
                 return pickle.dumps(tree.map(_to_cpu, fn(*args)))
             except BaseException as e:
