@@ -13,10 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.build import ConfigError
 from experiments.drill.families import FAMILIES
 from experiments.drill.faults import IN_MODEL, IN_SAVE
 from experiments.drill.harness import EXTERNAL, Drill, Result, pick, run_drill
 from experiments.drill.table import markdown, write
+from shardings import LaunchError
+from shardings.checkpoint import CheckpointError
 
 FAULTS = (*EXTERNAL, *IN_SAVE, *IN_MODEL)
 _PER_FAMILY = 10  # the full matrix: this many drills per family (random faults, ranks and moments)
@@ -45,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, drill in enumerate(matrix(args.quick, args.seed, args.only, args.faults)):
         try:
             results.append(run_drill(drill, out, f"drill_{i:03d}"))
-        except Exception as e:  # the harness itself failed (a job that cannot start): a failed row, not a crash
+        except (ConfigError, LaunchError, CheckpointError) as e:  # a job that cannot start, a restart that fails
             results.append(Result(drill.fault, drill.family.name, drill.rank, drill.when, None, "", None, None, "-",
-                                  False, f"the drill could not run: {type(e).__name__}: {e}".splitlines()[0]))
+                                  False, f"the drill failed: {type(e).__name__}: {e}".splitlines()[0]))
         r = results[-1]
         print(f"[{i + 1}] {r.fault} on {r.layout}, rank {r.rank}, {r.when}: "
               f"{'ok' if r.ok else 'FAILED: ' + r.problem} ({r.exit_s} s to exit)", flush=True)

@@ -2,7 +2,7 @@
 
 A drill's job runs a drill model module (:mod:`experiments.drill.mlp`, :mod:`experiments.drill.moe`): a
 reference model plus the :class:`Faults` fields. Its ``loss`` and pipeline stages go through :func:`poisoned`
-(the ``nan`` fault: one rank's loss, or first stage's output, times NaN during one step). Its ``init`` (run once
+(the ``nan_batch`` fault: one rank's loss, or first stage's output, times NaN during one step). Its ``init`` (run once
 per rank) calls :func:`arm`, which
 leaves the rank's pid where the drill's watcher finds it (``<drill_dir>/pid_rank<r>``: faults from outside,
 SIGKILL or SIGSTOP at a moment the watcher picks) and, for a fault inside ``checkpoint.save``, installs a
@@ -27,7 +27,7 @@ from shardings import checkpoint, pipeline
 __all__ = ["IN_MODEL", "IN_SAVE", "Faults", "arm", "mark_struck", "poisoned", "poisoned_stages", "wrap"]
 
 IN_SAVE = ("save_written", "save_manifest")  # SIGKILL at a checkpoint.save moment (add_save_hook's)
-IN_MODEL = ("nan",)  # a batch whose loss is NaN on one rank, during one step
+IN_MODEL = ("nan_batch",)  # a batch whose loss is NaN on one rank, during one step
 STRUCK = "struck"  # <drill_dir>/struck: when the fault struck (time.time()), written just before it strikes
 _ARMED: set[str] = set()  # drill dirs this process armed (init may run more than once per rank)
 _CALLS = [0]  # calls of the poisoned function with real (not meta) tensors in this process
@@ -38,7 +38,7 @@ class Faults:
     """The fault fields a drill model's ``Config`` adds; the defaults plant nothing."""
 
     drill_dir: str = ""  # where ranks leave their pids and the fault its time; "" = not in a drill
-    fault: str = "none"  # none | save_written | save_manifest | nan (in-rank); external faults need only the pids
+    fault: str = "none"  # none | save_written | save_manifest | nan_batch (in-rank); external faults need only the pids
     fault_rank: int = 0  # the rank the in-rank fault strikes
     fault_step: int = 0  # the step whose checkpoint.save it strikes, or whose batch is poisoned
     fault_calls: int = 1  # calls of loss (or of the first stage: one per microbatch) per step on a rank
@@ -68,7 +68,7 @@ def _save_killer(cfg: Faults) -> Any:
 
 def _poison_now(cfg: Faults, x: Any) -> bool:
     """Whether this call (the loss, or the first stage) is one of step ``fault_step``'s on the fault's rank."""
-    if cfg.fault != "nan" or getattr(x, "device", None) is None or x.device.type == "meta":
+    if cfg.fault != "nan_batch" or getattr(x, "device", None) is None or x.device.type == "meta":
         return False  # meta: a pipeline tracing its stages' shapes, not a step
     _CALLS[0] += 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -81,7 +81,7 @@ def _poison_now(cfg: Faults, x: Any) -> bool:
 
 
 def poisoned(fn: Callable[..., Any], cfg: Faults) -> Callable[..., Any]:
-    """``fn`` (a loss, or a first stage) whose result is times NaN in step ``cfg.fault_step`` under the nan fault."""
+    """``fn`` (a loss, or a first stage) whose result is times NaN in step ``cfg.fault_step`` (nan_batch)."""
 
     def call(*args: Any) -> Any:
         out = fn(*args)

@@ -144,7 +144,7 @@ def _must_name(drill: Drill) -> str:
     """What the job's error must say: the rank that was struck, or the step and the leaf of a NaN batch."""
     if drill.fault == "sigstop":
         return f"rank {drill.rank} (silent"  # a peer timed out and the watchdog named the silent rank
-    if drill.fault == "nan":
+    if drill.fault == "nan_batch":
         return f"at step {drill.step}: the gradient of"
     return f"rank {drill.rank} of {drill.family.world}"
 
@@ -183,7 +183,7 @@ def run_drill(drill: Drill, root: Path, name: str) -> Result:
     ended = time.time()
     stop.set()
     struck = drill_dir / STRUCK
-    if error is None and struck.exists() and drill.fault == "nan" and family.loss_scale:
+    if error is None and struck.exists() and drill.fault == "nan_batch" and family.loss_scale:
         return _skipped(drill, out, result)
     result.error = str(error).splitlines()[0] if error else ""
     if error is None or not struck.exists():

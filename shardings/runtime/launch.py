@@ -16,6 +16,8 @@ steps for scripts that manage the group themselves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -45,6 +47,8 @@ __all__ = ["LaunchError", "init_from_env", "launch", "shutdown"]
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PRELOAD = ["torch", "torch.distributed.tensor", "shardings"]
 _DEAD_PEER_GRACE_S = 1.0  # >> elastic's monitor_interval (0.1 s) below
+_SHUTDOWN_S = 3  # > _DEAD_PEER_GRACE_S: the failed ranks' reports are written by then
+_LAUNCH_FIELDS = {f.name for f in dataclasses.fields(LaunchConfig)}  # shutdown_timeout: torch >= 2.12?
 
 
 class LaunchError(RuntimeError):
@@ -145,6 +149,16 @@ def _report(e: BaseException, error_dir: str) -> None:
             json.dump(report, f)
 
 
+def _report_hang(error_dir: str, message: str, stack: str) -> None:
+    """From the heartbeat thread: a peer stayed silent past the timeout while this rank waits in a call that has
+    no deadline of its own. Report it as this rank's error and end the process (the wait cannot be interrupted)."""
+    path = os.path.join(error_dir, f"rank{os.environ['RANK']}.json")
+    if not os.path.exists(path):  # not already failing for another reason
+        with open(path, "w") as f:
+            json.dump({"time": time.time(), "type": "TimeoutError", "message": message, "traceback": stack}, f)
+        os._exit(1)
+
+
 def _worker(
     fn: Callable[..., Any], args: tuple[Any, ...], backend: str | None, timeout: float, error_dir: str
 ) -> bytes:
@@ -153,7 +167,9 @@ def _worker(
     if (backend or _default_backend()) == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share this machine's cores
     try:
-        with watchdog.beating(_heartbeats(error_dir), int(os.environ["RANK"])), _process_group(backend, timeout):
+        hang = functools.partial(_report_hang, error_dir)
+        with watchdog.beating(_heartbeats(error_dir), int(os.environ["RANK"]), world, timeout, hang), \
+                _process_group(backend, timeout):
             try:
                 return pickle.dumps(tree.map(_to_cpu, fn(*args)))
             except BaseException as e:
@@ -297,6 +313,9 @@ def launch(
             start_method="forkserver",
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
             local_addr="localhost",
+            # A stopped (SIGSTOP) or hung rank ignores the SIGTERM that ends the others: SIGKILL it after this
+            # (torch's default waits 30 s), so a hang costs the collective timeout plus this, not plus 30 s.
+            **({"shutdown_timeout": _SHUTDOWN_S} if "shutdown_timeout" in _LAUNCH_FIELDS else {}),
         )
         try:
             pickled = elastic_launch(config, _worker)(fn, args, backend, seconds, error_dir)

@@ -1,20 +1,26 @@
-"""Heartbeats of launched ranks: when a rank's collective or pipeline receive times out, name the peers that
-stopped answering (a SIGSTOPped, hung or dead process), not just the timeout.
+"""Heartbeats of launched ranks: a rank waiting on a peer that stopped answering (a SIGSTOPped, hung or dead
+process) fails within the process group's timeout, naming that peer and the call it waited in.
 
 Each rank of :func:`shardings.launch` touches its own file in a folder the launch owns every
 :data:`INTERVAL_S` from a daemon thread; a process that is stopped (SIGSTOP, a debugger, swapped out) or dead
-stops touching it. On the failure path only, a rank reads the others' files (:func:`silent`) and
-:func:`explain` adds who went silent and in which ``torch.distributed`` call this rank was waiting.
+stops touching it. Two ways out of a hang, both naming the silent peers (:func:`silent`):
+
+- the wait times out by itself (gloo's collectives and receives do, after the group's timeout): the rank's error
+  gets :func:`explain`'s sentence (who went silent, and the ``torch.distributed`` call on its traceback);
+- the wait never times out (a functional collective's ``wait_tensor`` waits without a deadline: found by the
+  MoE dp+ep drill, which hung for minutes): once a peer has been silent for the group's timeout, the heartbeat
+  thread itself calls ``on_hang`` with the same sentence, the main thread's waiting call read off its stack.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["INTERVAL_S", "SILENT_AFTER_S", "beating", "explain", "silent"]
 
@@ -27,15 +33,23 @@ def _file(folder: str, rank: int) -> str:
 
 
 @contextlib.contextmanager
-def beating(folder: str, rank: int) -> Iterator[None]:
-    """Beat for ``rank`` into ``folder`` while the block runs."""
+def beating(folder: str, rank: int, world_size: int, timeout_s: float,
+            on_hang: Callable[[str, str], None]) -> Iterator[None]:
+    """Beat for ``rank`` into ``folder`` while the block runs; call ``on_hang(message, stack)`` from the heartbeat
+    thread (once) when a peer has been silent for ``timeout_s`` (the process group's timeout)."""
     os.makedirs(folder, exist_ok=True)
-    file, stop = _file(folder, rank), threading.Event()
+    file, stop, main = _file(folder, rank), threading.Event(), threading.get_ident()
     open(file, "w").close()
 
     def beat() -> None:
         while not stop.wait(INTERVAL_S):
             os.utime(file)
+            hung = silent(folder, world_size, rank, after_s=timeout_s)
+            if hung:
+                frames = traceback.extract_stack(sys._current_frames()[main])
+                on_hang(_sentence(rank, hung, _distributed_call(frames)) + f" (for over the timeout, {timeout_s} s)",
+                        "".join(traceback.format_list(frames)))
+                return
 
     thread = threading.Thread(target=beat, name=f"heartbeat-rank{rank}", daemon=True)
     thread.start()
@@ -43,31 +57,34 @@ def beating(folder: str, rank: int) -> Iterator[None]:
         yield
     finally:
         stop.set()
+        with contextlib.suppress(OSError):  # done (or failing of its own error): never taken for a silent peer
+            os.remove(file)
 
 
-def silent(folder: str, world_size: int, me: int) -> dict[int, float]:
-    """``{rank: seconds since its last beat}`` of the other ranks silent for over :data:`SILENT_AFTER_S`."""
+def silent(folder: str, world_size: int, me: int, after_s: float = SILENT_AFTER_S) -> dict[int, float]:
+    """``{rank: seconds since its last beat}`` of the other ranks silent for over ``after_s``."""
     now, found = time.time(), {}
     for rank in range(world_size):
         file = _file(folder, rank)
-        if rank != me and os.path.exists(file) and now - os.path.getmtime(file) > SILENT_AFTER_S:
+        if rank != me and os.path.exists(file) and now - os.path.getmtime(file) > after_s:
             found[rank] = round(now - os.path.getmtime(file), 1)
     return found
 
 
-def _waiting_in(e: BaseException) -> str | None:
-    """The innermost ``torch.distributed`` function on ``e``'s traceback (the collective or receive it waited in)."""
-    names = [f.name for f in traceback.extract_tb(e.__traceback__)
+def _distributed_call(frames: traceback.StackSummary) -> str | None:
+    """The innermost public ``torch.distributed`` function among ``frames`` (the collective or receive waited in)."""
+    names = [f.name for f in frames
              if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename and not f.name.startswith("_")]
     return names[-1] if names else None
+
+
+def _sentence(me: int, quiet: dict[int, float], where: str | None) -> str:
+    who = ", ".join(f"rank {r} (silent for {s} s)" for r, s in sorted(quiet.items()))
+    return (f"rank {me} waited{f' in {where}' if where else ''} while {who} stopped answering: stopped (SIGSTOP), "
+            f"hung or dead. Fix: look at {'those ranks' if len(quiet) > 1 else 'that rank'} first")
 
 
 def explain(e: BaseException, folder: str, world_size: int, me: int) -> str:
     """A sentence naming the silent peers and the call this rank waited in ('' when every peer still beats)."""
     quiet = silent(folder, world_size, me)
-    if not quiet:
-        return ""
-    who = ", ".join(f"rank {r} (silent for {s} s)" for r, s in sorted(quiet.items()))
-    where = _waiting_in(e)
-    return (f"rank {me} waited{f' in {where}' if where else ''} while {who} stopped answering: stopped (SIGSTOP), "
-            f"hung or dead. Fix: look at {'those ranks' if len(quiet) > 1 else 'that rank'} first")
+    return _sentence(me, quiet, _distributed_call(traceback.extract_tb(e.__traceback__))) if quiet else ""
