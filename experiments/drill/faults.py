@@ -13,6 +13,7 @@ faulted one, the restart) passes all the fields, so the checkpoints' key paths m
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 import time
@@ -24,9 +25,13 @@ import torch.distributed as dist
 
 from shardings import checkpoint, pipeline
 
-__all__ = ["IN_MODEL", "IN_SAVE", "Faults", "arm", "mark_struck", "poisoned", "poisoned_stages", "wrap"]
+__all__ = ["DISK_ERRORS", "IN_MODEL", "IN_SAVE", "Faults", "arm", "mark_struck", "poisoned", "poisoned_stages", "wrap"]
 
-IN_SAVE = ("save_written", "save_manifest")  # SIGKILL at a checkpoint.save moment (add_save_hook's)
+# At a checkpoint.save moment (add_save_hook's): SIGKILL once the rank's files are written or once the manifest is;
+# or the disk fills up / turns read-only as the rank's files are written (an OSError from the hook: no tmpfs or
+# root needed, and the save path is the library's own, up to the error).
+DISK_ERRORS = {"disk_full": errno.ENOSPC, "read_only": errno.EROFS}
+IN_SAVE = ("save_written", "save_manifest", *DISK_ERRORS)
 IN_MODEL = ("nan_batch",)  # a batch whose loss is NaN on one rank, during one step
 STRUCK = "struck"  # <drill_dir>/struck: when the fault struck (time.time()), written just before it strikes
 _ARMED: set[str] = set()  # drill dirs this process armed (init may run more than once per rank)
@@ -38,7 +43,7 @@ class Faults:
     """The fault fields a drill model's ``Config`` adds; the defaults plant nothing."""
 
     drill_dir: str = ""  # where ranks leave their pids and the fault its time; "" = not in a drill
-    fault: str = "none"  # none | save_written | save_manifest | nan_batch (in-rank); external faults need only the pids
+    fault: str = "none"  # none, or one of IN_SAVE or IN_MODEL (in-rank); external faults need only the pids
     fault_rank: int = 0  # the rank the in-rank fault strikes
     fault_step: int = 0  # the step whose checkpoint.save it strikes, or whose batch is poisoned
     fault_calls: int = 1  # calls of loss (or of the first stage: one per microbatch) per step on a rank
@@ -55,13 +60,17 @@ def _write_pid(drill_dir: str, rank: int) -> None:
     tmp.replace(Path(drill_dir, f"pid_rank{rank}"))  # the watcher never reads half a pid
 
 
-def _save_killer(cfg: Faults) -> Any:
-    moment = cfg.fault.removeprefix("save_")
+def _save_fault(cfg: Faults) -> Callable[[str, str], None]:
+    moment = "written" if cfg.fault in DISK_ERRORS else cfg.fault.removeprefix("save_")
 
     def hook(at: str, folder: str) -> None:
-        if at == moment and Path(folder).name == f"step_{cfg.fault_step}.tmp":
-            mark_struck(cfg.drill_dir, f"SIGKILL rank {cfg.fault_rank} in checkpoint.save ({moment})")
-            os.kill(os.getpid(), signal.SIGKILL)
+        if at != moment or Path(folder).name != f"step_{cfg.fault_step}.tmp":
+            return
+        mark_struck(cfg.drill_dir, f"{cfg.fault} on rank {cfg.fault_rank} in checkpoint.save ({moment})")
+        if cfg.fault in DISK_ERRORS:
+            code = DISK_ERRORS[cfg.fault]
+            raise OSError(code, os.strerror(code), folder)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
 
@@ -104,7 +113,7 @@ def arm(cfg: Faults) -> None:
     rank = dist.get_rank()
     _write_pid(cfg.drill_dir, rank)
     if cfg.fault in IN_SAVE and rank == cfg.fault_rank:
-        checkpoint.add_save_hook(_save_killer(cfg))
+        checkpoint.add_save_hook(_save_fault(cfg))
     elif cfg.fault not in ("none", *IN_SAVE, *IN_MODEL):
         raise ValueError(f"drill: unknown fault {cfg.fault!r}. Fix: one of none, {', '.join(IN_SAVE + IN_MODEL)}.")
 

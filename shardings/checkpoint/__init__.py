@@ -39,11 +39,12 @@ May import: every other subpackage but ``testing``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -140,11 +141,16 @@ class PendingSave:
         self.path: str | None = None
 
     def wait(self) -> str:
-        """Block until the files are written, commit the checkpoint, and return its folder."""
+        """Block until the files are written, commit the checkpoint, and return its folder.
+
+        Raises:
+            CheckpointError: writing failed (a full or read-only disk); the previous checkpoint is intact.
+        """
         if self.path is None:
-            if self._future is not None:
-                self._future.result()
-            self.path = _commit(self.root, self.step, self._manifest, self._keep)
+            with _writing(self.root, self.step):
+                if self._future is not None:
+                    self._future.result()
+                self.path = _commit(self.root, self.step, self._manifest, self._keep)
             if _PENDING.get(self.root) is self:
                 del _PENDING[self.root]
         return self.path
@@ -168,7 +174,8 @@ def save(
         A :class:`PendingSave`; ``.wait()`` returns the checkpoint folder (already done when not async).
 
     Raises:
-        CheckpointError: a leaf that is neither a tensor nor a JSON value, a bad ``step`` or ``keep``.
+        CheckpointError: a leaf that is neither a tensor nor a JSON value, a bad ``step`` or ``keep``; writing
+            failed (a full or read-only disk: the message says so, and that the previous checkpoint is intact).
 
     >>> save("ckpt", {"params": params, "opt_state": opt_state, "data": {"position": 640}}, step=20)  # doctest: +SKIP
     """
@@ -204,7 +211,8 @@ def save(
     with maybe_disable_local_tensor_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         if not async_:
-            dcp.save(tensors, **kwargs)
+            with _writing(root, step):
+                dcp.save(tensors, **kwargs)
             future = None
         else:
             future = dcp.async_save(tensors, process_group=_async_group(), **kwargs)
@@ -214,6 +222,22 @@ def save(
     else:
         pending.wait()
     return pending
+
+
+@contextlib.contextmanager
+def _writing(root: str, step: int) -> Iterator[None]:
+    """A failed write (a full or read-only disk: OSError, or DCP's exception wrapping one) as a CheckpointError."""
+    try:
+        yield
+    except (OSError, CheckpointException) as e:
+        steps = _steps(root)
+        intact = f"the newest complete one, step_{steps[-1]}, is intact" if steps else "there is no earlier one"
+        raise _error(
+            f"saving step_{step} under {root} failed ({type(e).__name__}: {e}); it is left an unfinished "
+            f"step_{step}.tmp, which latest(), load() and resume() ignore; {intact}",
+            fix="free space on that disk (or make it writable), or save elsewhere; a restart resumes from the "
+                "newest complete checkpoint",
+        ) from e
 
 
 _ASYNC_GROUPS: dict[int, Any] = {}
