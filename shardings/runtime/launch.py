@@ -151,12 +151,14 @@ def _report(e: BaseException, error_dir: str) -> None:
 
 def _report_hang(error_dir: str, message: str, stack: str) -> None:
     """From the heartbeat thread: a peer stayed silent past the timeout while this rank waits in a call that has
-    no deadline of its own. Report it as this rank's error and end the process (the wait cannot be interrupted)."""
+    no deadline of its own, or in the process group's teardown after its own error (gloo's waits there for the
+    silent peer). Report it as this rank's error unless one is reported, and end the process (the wait cannot be
+    interrupted)."""
     path = os.path.join(error_dir, f"rank{os.environ['RANK']}.json")
-    if not os.path.exists(path):  # not already failing for another reason
+    if not os.path.exists(path):
         with open(path, "w") as f:
             json.dump({"time": time.time(), "type": "TimeoutError", "message": message, "traceback": stack}, f)
-        os._exit(1)
+    os._exit(1)
 
 
 def _worker(
