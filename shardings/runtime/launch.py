@@ -16,7 +16,6 @@ steps for scripts that manage the group themselves.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import multiprocessing
@@ -47,8 +46,6 @@ __all__ = ["LaunchError", "init_from_env", "launch", "shutdown"]
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PRELOAD = ["torch", "torch.distributed.tensor", "shardings"]
 _DEAD_PEER_GRACE_S = 1.0  # >> elastic's monitor_interval (0.1 s) below
-_SHUTDOWN_S = 3  # > _DEAD_PEER_GRACE_S: the failed ranks' reports are written by then
-_LAUNCH_FIELDS = {f.name for f in dataclasses.fields(LaunchConfig)}  # shutdown_timeout: torch >= 2.12?
 
 
 class LaunchError(RuntimeError):
@@ -149,7 +146,7 @@ def _report(e: BaseException, error_dir: str) -> None:
             json.dump(report, f)
 
 
-def _report_hang(error_dir: str, message: str, stack: str) -> None:
+def _report_hang(error_dir: str, message: str, stack: str, silent: dict[int, float]) -> None:
     """From the heartbeat thread: a peer stayed silent past the timeout while this rank waits in a call that has
     no deadline of its own, or in the process group's teardown after its own error (gloo's waits there for the
     silent peer). Report it as this rank's error unless one is reported, and end the process (the wait cannot be
@@ -158,6 +155,9 @@ def _report_hang(error_dir: str, message: str, stack: str) -> None:
     if not os.path.exists(path):
         with open(path, "w") as f:
             json.dump({"time": time.time(), "type": "TimeoutError", "message": message, "traceback": stack}, f)
+    # A stopped peer ignores the SIGTERM the launcher ends the others with, for 30 s (torch's spawn join, not
+    # configurable): end it now, as NCCL's watchdog aborts a hung communicator.
+    watchdog.end(_heartbeats(error_dir), silent)
     os._exit(1)
 
 
@@ -315,9 +315,6 @@ def launch(
             start_method="forkserver",
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
             local_addr="localhost",
-            # A stopped (SIGSTOP) or hung rank ignores the SIGTERM that ends the others: SIGKILL it after this
-            # (torch's default waits 30 s), so a hang costs the collective timeout plus this, not plus 30 s.
-            **({"shutdown_timeout": _SHUTDOWN_S} if "shutdown_timeout" in _LAUNCH_FIELDS else {}),
         )
         try:
             pickled = elastic_launch(config, _worker)(fn, args, backend, seconds, error_dir)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 
-__all__ = ["INTERVAL_S", "SILENT_AFTER_S", "beating", "explain", "silent"]
+__all__ = ["INTERVAL_S", "SILENT_AFTER_S", "beating", "end", "explain", "silent"]
 
 INTERVAL_S = 0.5  # how often a rank beats
 SILENT_AFTER_S = 5.0  # a rank whose last beat is older is named silent (>> INTERVAL_S: a busy machine is slow)
@@ -34,12 +35,13 @@ def _file(folder: str, rank: int) -> str:
 
 @contextlib.contextmanager
 def beating(folder: str, rank: int, world_size: int, timeout_s: float,
-            on_hang: Callable[[str, str], None]) -> Iterator[None]:
-    """Beat for ``rank`` into ``folder`` while the block runs; call ``on_hang(message, stack)`` from the heartbeat
-    thread (once) when a peer has been silent for ``timeout_s`` (the process group's timeout)."""
+            on_hang: Callable[[str, str, dict[int, float]], None]) -> Iterator[None]:
+    """Beat for ``rank`` into ``folder`` while the block runs; call ``on_hang(message, stack, silent)`` from the
+    heartbeat thread (once) when peers have been silent for ``timeout_s`` (the process group's timeout)."""
     os.makedirs(folder, exist_ok=True)
     file, stop, main = _file(folder, rank), threading.Event(), threading.get_ident()
-    open(file, "w").close()
+    with open(file, "w") as f:
+        f.write(str(os.getpid()))  # for end(): the process to stop once it is silent
 
     def beat() -> None:
         while not stop.wait(INTERVAL_S):
@@ -48,7 +50,7 @@ def beating(folder: str, rank: int, world_size: int, timeout_s: float,
             if hung:
                 frames = traceback.extract_stack(sys._current_frames()[main])
                 on_hang(_sentence(rank, hung, _distributed_call(frames)) + f" (for over the timeout, {timeout_s} s)",
-                        "".join(traceback.format_list(frames)))
+                        "".join(traceback.format_list(frames)), hung)
                 return
 
     thread = threading.Thread(target=beat, name=f"heartbeat-rank{rank}", daemon=True)
@@ -88,3 +90,21 @@ def explain(e: BaseException, folder: str, world_size: int, me: int) -> str:
     """A sentence naming the silent peers and the call this rank waited in ('' when every peer still beats)."""
     quiet = silent(folder, world_size, me)
     return _sentence(me, quiet, _distributed_call(traceback.extract_tb(e.__traceback__))) if quiet else ""
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def end(folder: str, ranks: dict[int, float]) -> None:
+    """SIGKILL the silent ``ranks``' processes that are this process's siblings (the same launch's workers)."""
+    for rank in ranks:
+        with contextlib.suppress(OSError, ValueError):
+            with open(_file(folder, rank)) as f:
+                pid = int(f.read())
+            if _parent(pid) == os.getppid():
+                os.kill(pid, signal.SIGKILL)

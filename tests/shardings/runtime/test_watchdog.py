@@ -34,7 +34,7 @@ def test_explain_names_the_peer_and_the_distributed_call_on_the_traceback(tmp_pa
 
 def test_a_wait_without_deadline_is_ended_once_a_peer_was_silent_for_the_timeout(tmp_path):
     hung, started = [], time.monotonic()
-    with watchdog.beating(str(tmp_path), 0, 2, timeout_s=1.0, on_hang=lambda msg, stack: hung.append(msg)):
+    with watchdog.beating(str(tmp_path), 0, 2, timeout_s=1.0, on_hang=lambda msg, stack, silent: hung.append(msg)):
         _stale(tmp_path, 1, 0)  # rank 1 beat once, then stopped
         while not hung and time.monotonic() - started < 10:
             time.sleep(0.05)
@@ -43,6 +43,6 @@ def test_a_wait_without_deadline_is_ended_once_a_peer_was_silent_for_the_timeout
 
 
 def test_a_finished_rank_is_not_silent(tmp_path):
-    with watchdog.beating(str(tmp_path), 1, 2, timeout_s=60, on_hang=lambda msg, stack: None):
+    with watchdog.beating(str(tmp_path), 1, 2, timeout_s=60, on_hang=lambda msg, stack, silent: None):
         assert os.path.exists(tmp_path / "rank1")
     assert not os.path.exists(tmp_path / "rank1") and watchdog.silent(str(tmp_path), 2, me=0) == {}
