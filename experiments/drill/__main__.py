@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, LaunchError, CheckpointError) as e:  # a job that cannot start, a restart that fails
             results.append(Result(drill.fault, drill.family.name, drill.rank, drill.when, None, "", None, None, "-",
                                   False, f"the drill failed: {type(e).__name__}: {e}".splitlines()[0]))
+        write(results, out)  # so far: a long matrix stopped part-way keeps its table
         r = results[-1]
         print(f"[{i + 1}] {r.fault} on {r.layout}, rank {r.rank}, {r.when}: "
               f"{'ok' if r.ok else 'FAILED: ' + r.problem} ({r.exit_s} s to exit)", flush=True)
