@@ -219,7 +219,10 @@ def _first_error(error_dir: str, failed: ChildFailedError, world_size: int) -> L
             reports[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
     # The rank elastic saw exit first; peers usually fail later, of its consequences.
     rank, failure = failed.get_first_failure()
-    if rank not in reports:  # it died without a Python exception (signal, os._exit, segfault)
+    # A rank ended by a peer's watchdog (it had stopped answering: watchdog.end) is not the root cause to report:
+    # the peer's TimeoutError, naming it and the call waited in, is.
+    ended = any(r["type"] == "TimeoutError" and f"rank {rank} (silent" in r["message"] for r in reports.values())
+    if rank not in reports and not ended:  # it died without a Python exception (signal, os._exit, segfault)
         after = f" (then rank {min(reports)} raised {reports[min(reports)]['type']})" if reports else ""
         signal = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
         return LaunchError(
