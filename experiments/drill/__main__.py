@@ -1,4 +1,4 @@
-"""``python -m experiments.drill [--quick] [--out DIR] [--seed N] [--only FAMILY ...] [--faults F ...]``.
+"""``python -m experiments.drill [--quick | --per-family N] [--out DIR] [--seed N] [--only F ...] [--faults F ...]``.
 
 Runs the drill matrix (faults x layout families, :mod:`experiments.drill.families`) on real gloo ranks, prints
 the table and writes it (``drills.csv``, ``drills.md``) to ``--out``. ``--quick``: one drill per family.
@@ -25,14 +25,15 @@ FAULTS = (*EXTERNAL, *IN_SAVE, *IN_MODEL)
 _PER_FAMILY = 10  # the full matrix: this many drills per family (random faults, ranks and moments)
 
 
-def matrix(quick: bool, seed: int, families: list[str], faults: list[str]) -> list[Drill]:
-    """The drills to run: per family, one (``quick``: cycling through ``faults``) or :data:`_PER_FAMILY`."""
+def matrix(quick: bool, seed: int, families: list[str], faults: list[str],
+           per_family: int = _PER_FAMILY) -> list[Drill]:
+    """The drills to run: per family, one (``quick``) or ``per_family``, cycling through ``faults``."""
     rng = random.Random(seed)
     drills = []
     for i, name in enumerate(families):
         family = FAMILIES[name]
         fits = [f for f in faults if f not in RESIZE or family.smaller]  # a 2-rank family has no smaller world
-        drills += [pick(family, fits[(i + j) % len(fits)], rng) for j in range(1 if quick else _PER_FAMILY)]
+        drills += [pick(family, fits[(i + j) % len(fits)], rng) for j in range(1 if quick else per_family)]
     return drills
 
 
@@ -44,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="picks the ranks and moments")
     parser.add_argument("--only", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES), metavar="FAMILY")
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
+    parser.add_argument("--per-family", type=int, default=_PER_FAMILY, help="drills per family (without --quick)")
     args = parser.parse_args(argv)
     out, results, started = Path(args.out), [], time.monotonic()
-    for i, drill in enumerate(matrix(args.quick, args.seed, args.only, args.faults)):
+    for i, drill in enumerate(matrix(args.quick, args.seed, args.only, args.faults, args.per_family)):
         try:
             results.append(run_drill(drill, out, f"drill_{i:03d}"))
         except (ConfigError, LaunchError, CheckpointError) as e:  # a job that cannot start, a restart that fails

@@ -32,7 +32,7 @@ FAMILIES = {f.name: f for f in (
     # is refused, "preset 'zero3' needs a mesh axis 'dp' or 'fsdp'").
     Family("zero3+pp zb_v", (*_MLP, "model.config.layers=4", "layout=zero3+pp", "mesh=dp2_pp2",
                              "pipeline.schedule=zb_v", "pipeline.microbatches=4"), 4, calls=4,
-           smaller=("layout=zero1+pp", "mesh=pp2")),
+           smaller=("layout=pp", "mesh=pp2")),
     Family("zero2+offload fp16", (*_MLP, "layout=zero2", "mesh=dp2", "offload=optimizer", "precision=fp16"), 2,
            loss_scale=True),
     Family("dp+ep moe", ("model=moe_tiny", "model.name=experiments.drill.moe", "layout=dp+ep", "mesh=dp2_ep2"), 4,

@@ -1,5 +1,5 @@
 """``experiments.drill``: the matrix and its table, fp16's loss-scale state across a resume, and a reduced matrix
-of real drills (two launches each plus a shared reference: a save killed on pipeline ranks, a hang).
+of real drills (three launches each: reference, faulted, restart; a save killed on pipeline ranks, a hang).
 
 The full matrix (``make drill``, >= 50 drills) is not run here: it takes many minutes of real processes.
 """
