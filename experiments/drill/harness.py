@@ -3,10 +3,12 @@ never stopped.
 
 The uninterrupted run of a family is made once (:func:`reference`) and shared by all of its drills. A drill
 (:func:`run_drill`) starts the same job with a fault planted and waits for it to fail: from outside, a watcher
-thread SIGKILLs (or SIGSTOPs) one rank once the job has logged a given step, after a random delay; from inside,
-a ``checkpoint.save`` hook SIGKILLs one rank at a commit moment (:mod:`.faults`). Then the job is restarted in
-the same folder, resumes from its newest checkpoint that verifies, and must end with the reference's losses at
-every step and its final checkpoint's tensors, bitwise.
+thread SIGKILLs or SIGSTOPs one rank a random delay after the job logged a given step; from inside
+(:mod:`.faults`), a ``checkpoint.save`` hook SIGKILLs a rank or raises a disk error at a commit moment, or one
+step's loss turns NaN. The job's error must name what struck (the rank, or the step and leaf). Then the job is
+restarted in the same folder (``sigkill_resize``: on half the ranks), resumes from its newest checkpoint that
+verifies, and must end with the reference's loss at every step and its final checkpoint's tensors, bitwise (within
+the tolerance rule on another world size). Under fp16 a NaN batch must instead be skipped and counted.
 """
 
 from __future__ import annotations
