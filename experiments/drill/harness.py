@@ -146,16 +146,18 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _compare(got: Path, want: Path, resharded: bool = False) -> str:
-    """``bitwise``; on another world size (other reductions) ``within tolerance`` (``shardings.testing``'s rule)."""
+    """``bitwise``: losses and final tensors; on another world size (other reductions) ``within tolerance``: the losses
+    by ``shardings.testing``'s rule."""
     same = _close if resharded else lambda a, b: a == b
     lw, lg = _losses(want), _losses(got)
     bad = [s for s in lw if s not in lg or not same(lg[s], lw[s])]
     if bad:
         return f"differs: losses at steps {bad}"
+    if resharded:  # the losses, as tests/experiments/test_resume.py: Adam turns a gradient that is 0 under one layout
+        return "within tolerance"  # and 1e-12 under another into an update of ~lr, so params are not compared
     a, b = _final_state(got), _final_state(want)
-    same = _close if resharded else torch.equal
-    bad = [k for k in b if isinstance(b[k], torch.Tensor) and not same(a[k], b[k])]
-    return f"differs: {len(bad)} tensors, first {bad[0]}" if bad else ("within tolerance" if resharded else "bitwise")
+    bad = [k for k in b if isinstance(b[k], torch.Tensor) and not torch.equal(a[k], b[k])]
+    return f"differs: {len(bad)} tensors, first {bad[0]}" if bad else "bitwise"
 
 
 def _must_name(drill: Drill) -> str:
