@@ -153,8 +153,8 @@ def _compare(got: Path, want: Path, resharded: bool = False) -> str:
     bad = [s for s in lw if s not in lg or not same(lg[s], lw[s])]
     if bad:
         return f"differs: losses at steps {bad}"
-    if resharded:  # the losses, as tests/experiments/test_resume.py: Adam turns a gradient that is 0 under one layout
-        return "within tolerance"  # and 1e-12 under another into an update of ~lr, so params are not compared
+    if resharded:  # the losses, as tests/experiments/test_resume.py does: after Adam steps on other reductions the
+        return "within tolerance"  # params drift past the rule's ulps (zero3+tp -> zero3: max 5e-7 on values ~0.09)
     a, b = _final_state(got), _final_state(want)
     bad = [k for k in b if isinstance(b[k], torch.Tensor) and not torch.equal(a[k], b[k])]
     return f"differs: {len(bad)} tensors, first {bad[0]}" if bad else "bitwise"
