@@ -21,8 +21,10 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -129,6 +131,15 @@ def _to_cpu(x: Any) -> Any:
     return x.detach().cpu() if isinstance(x, torch.Tensor) else x
 
 
+def _write_report(path: str, report: dict[str, Any]) -> None:
+    """Write a rank's report whole or not at all: the main thread and the heartbeat thread may both report, and a
+    rank may be killed mid-write (the launcher then read an empty report and crashed: found by the drills)."""
+    tmp = f"{path}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
 def _heartbeats(error_dir: str) -> str:
     return os.path.join(os.path.dirname(error_dir), "heartbeats")
 
@@ -140,10 +151,8 @@ def _report(e: BaseException, error_dir: str) -> None:
     path = os.path.join(error_dir, f"rank{rank}.json")
     if not os.path.exists(path):
         why = watchdog.explain(e, _heartbeats(error_dir), int(os.environ["WORLD_SIZE"]), rank)
-        report = {"time": time.time(), "type": type(e).__name__, "message": f"{why}: {e}" if why else str(e),
-                  "traceback": traceback.format_exc()}
-        with open(path, "w") as f:
-            json.dump(report, f)
+        _write_report(path, {"time": time.time(), "type": type(e).__name__, "message": f"{why}: {e}" if why else str(e),
+                             "traceback": traceback.format_exc()})
 
 
 def _report_hang(error_dir: str, message: str, stack: str, silent: dict[int, float]) -> None:
@@ -153,8 +162,7 @@ def _report_hang(error_dir: str, message: str, stack: str, silent: dict[int, flo
     interrupted)."""
     path = os.path.join(error_dir, f"rank{os.environ['RANK']}.json")
     if not os.path.exists(path):
-        with open(path, "w") as f:
-            json.dump({"time": time.time(), "type": "TimeoutError", "message": message, "traceback": stack}, f)
+        _write_report(path, {"time": time.time(), "type": "TimeoutError", "message": message, "traceback": stack})
     # A stopped peer ignores the SIGTERM the launcher ends the others with, for 30 s (torch's spawn join, not
     # configurable): end it now, as NCCL's watchdog aborts a hung communicator.
     watchdog.end(_heartbeats(error_dir), silent)
@@ -215,8 +223,9 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 def _first_error(error_dir: str, failed: ChildFailedError, world_size: int) -> LaunchError:
     reports = {}
     for name in os.listdir(error_dir):
-        with open(os.path.join(error_dir, name)) as f:
-            reports[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
+        if re.fullmatch(r"rank\d+\.json", name):  # not a report still being written (*.tmp)
+            with open(os.path.join(error_dir, name)) as f:
+                reports[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
     # The rank elastic saw exit first; peers usually fail later, of its consequences.
     rank, failure = failed.get_first_failure()
     # A rank ended by a peer's watchdog (it had stopped answering: watchdog.end) is not the root cause to report:
