@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 
-__all__ = ["INTERVAL_S", "SILENT_AFTER_S", "beating", "end", "explain", "silent"]
+__all__ = ["INTERVAL_S", "SILENT_AFTER_S", "beating", "end", "explain", "silent", "waiting_for"]
 
 INTERVAL_S = 0.5  # how often a rank beats
 SILENT_AFTER_S = 5.0  # a rank whose last beat is older is named silent (>> INTERVAL_S: a busy machine is slow)
@@ -49,7 +49,8 @@ def beating(folder: str, rank: int, world_size: int, timeout_s: float,
             hung = silent(folder, world_size, rank, after_s=timeout_s)
             if hung:
                 frames = traceback.extract_stack(sys._current_frames()[main])
-                on_hang(_sentence(rank, hung, _distributed_call(frames)) + f" (for over the timeout, {timeout_s} s)",
+                where = _WAITING[0] or _distributed_call(frames)
+                on_hang(_sentence(rank, hung, where) + f" (for over the timeout, {timeout_s} s)",
                         "".join(traceback.format_list(frames)), hung)
                 return
 
@@ -73,23 +74,38 @@ def silent(folder: str, world_size: int, me: int, after_s: float = SILENT_AFTER_
     return found
 
 
+_WAITING: list[str | None] = [None]  # what this process's main thread waits for (waiting_for), else None
+
+
+@contextlib.contextmanager
+def waiting_for(what: str) -> Iterator[None]:
+    """Name what the block waits for (``"for the activations of microbatch 2 from rank 0 (stage 0)"``), for the
+    message when the peer goes silent; the pipeline executor's receives use it (they know their peer)."""
+    before, _WAITING[0] = _WAITING[0], what
+    try:
+        yield
+    finally:
+        _WAITING[0] = before
+
+
 def _distributed_call(frames: traceback.StackSummary) -> str | None:
-    """The innermost public ``torch.distributed`` function among ``frames`` (the collective or receive waited in)."""
-    names = [f.name for f in frames
-             if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename and not f.name.startswith("_")]
-    return names[-1] if names else None
+    """``"in <f>"``: the innermost public ``torch.distributed`` function among ``frames`` (the collective waited in)."""
+    names = [f.name for f in frames if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename
+             and not f.name.startswith("_") and f.name != "wrapper"]  # wrapper: c10d's logging decorator
+    return f"in {names[-1]}" if names else None
 
 
 def _sentence(me: int, quiet: dict[int, float], where: str | None) -> str:
     who = ", ".join(f"rank {r} (silent for {s} s)" for r, s in sorted(quiet.items()))
-    return (f"rank {me} waited{f' in {where}' if where else ''} while {who} stopped answering: stopped (SIGSTOP), "
+    return (f"rank {me} waited{f' {where}' if where else ''} while {who} stopped answering: stopped (SIGSTOP), "
             f"hung or dead. Fix: look at {'those ranks' if len(quiet) > 1 else 'that rank'} first")
 
 
 def explain(e: BaseException, folder: str, world_size: int, me: int) -> str:
     """A sentence naming the silent peers and the call this rank waited in ('' when every peer still beats)."""
     quiet = silent(folder, world_size, me)
-    return _sentence(me, quiet, _distributed_call(traceback.extract_tb(e.__traceback__))) if quiet else ""
+    where = _WAITING[0] or _distributed_call(traceback.extract_tb(e.__traceback__))
+    return _sentence(me, quiet, where) if quiet else ""
 
 
 def _parent(pid: int) -> int | None:

@@ -46,3 +46,14 @@ def test_a_finished_rank_is_not_silent(tmp_path):
     with watchdog.beating(str(tmp_path), 1, 2, timeout_s=60, on_hang=lambda msg, stack, silent: None):
         assert os.path.exists(tmp_path / "rank1")
     assert not os.path.exists(tmp_path / "rank1") and watchdog.silent(str(tmp_path), 2, me=0) == {}
+
+
+def test_a_pipeline_receive_names_its_message_when_its_peer_goes_silent(tmp_path):
+    hung, started = [], time.monotonic()
+    record = lambda msg, stack, silent: hung.append(msg)
+    message = "for the activations of microbatch 2 from rank 1 (stage 0)"
+    with watchdog.beating(str(tmp_path), 0, 2, timeout_s=1.0, on_hang=record), watchdog.waiting_for(message):
+        _stale(tmp_path, 1, 0)
+        while not hung and time.monotonic() - started < 10:
+            time.sleep(0.05)
+    assert hung[0].startswith("rank 0 waited for the activations of microbatch 2 from rank 1 (stage 0) while rank 1")
