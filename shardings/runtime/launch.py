@@ -229,8 +229,8 @@ def _first_error(error_dir: str, failed: ChildFailedError, world_size: int) -> L
     # The rank elastic saw exit first; peers usually fail later, of its consequences.
     rank, failure = failed.get_first_failure()
     # A rank ended by a peer's watchdog (it had stopped answering: watchdog.end) is not the root cause to report:
-    # the peer's TimeoutError, naming it and the call waited in, is.
-    ended = any(r["type"] == "TimeoutError" and f"rank {rank} (silent" in r["message"] for r in reports.values())
+    # the peer's error naming it silent (its own timeout, or the watchdog's TimeoutError) is.
+    ended = any(f"rank {rank} (silent" in r["message"] for r in reports.values())
     if rank not in reports and not ended:  # it died without a Python exception (signal, os._exit, segfault)
         after = f" (then rank {min(reports)} raised {reports[min(reports)]['type']})" if reports else ""
         signal = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
