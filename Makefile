@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 EXPLORE_SECONDS ?= 600
 MUTANTS_ARGS ?=
 
-.PHONY: install test lint clean train lock test-latest test-torch211 test-explore mutants
+.PHONY: install test lint clean train lock test-latest test-torch211 test-explore mutants drill
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,13 @@ test: lint
 # The default experiment: gpt_tiny on the stdlib's bytes, zero3+tp on 4 gloo processes (ARGS= for overrides).
 train: install
 	$(BIN)/python -m experiments.train $(ARGS)
+
+# Fault drills: kills, hangs, killed saves and NaN batches at random moments, per layout family, each against an
+# uninterrupted run, on real gloo processes (>= 50 drills, ~1 h here); the table goes to outputs/drill/drills.md.
+# DRILL_ARGS="--quick" for one per family (< 5 min); exits 1 if any drill lost data, hung or resumed unequal.
+DRILL_ARGS ?=
+drill: install
+	$(BIN)/python -m experiments.drill $(DRILL_ARGS)
 
 # Regenerate the lock after changing a dependency in pyproject.toml (then commit both). pip-tools runs from its
 # own venv; resolving against the pinned torch keeps the CPU wheel's dependency set (no CUDA packages).

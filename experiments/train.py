@@ -186,7 +186,10 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
                     batch, data_state = data.next(data_state)
             else:
                 batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
-            params, opt_state, metrics = step(params, opt_state, batch)
+            try:
+                params, opt_state, metrics = step(params, opt_state, batch)
+            except shardings.NonFiniteGradError as e:  # name the step: the loop is what knows it
+                raise e.at_step(i) from None
             records.append(_record(i, metrics, time.perf_counter() - t0, data_state, _loss_scale(step, opt_state)))
             if log is not None:
                 log.write(json.dumps(records[-1]) + "\n")

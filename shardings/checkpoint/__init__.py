@@ -39,10 +39,12 @@ May import: every other subpackage but ``testing``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -72,9 +74,29 @@ from shardings.checkpoint.files import _MetadataUnpickler as _MetadataUnpickler 
 from shardings.checkpoint.tensors import empty_like, is_absent, place_like, split_state
 from shardings.runtime.compat import maybe_disable_local_tensor_mode
 
-__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "latest", "load", "resume", "save"]
+__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "add_save_hook", "latest", "load", "resume", "save"]
 
 _PENDING: dict[str, PendingSave] = {}  # root path -> its save still being written (async)
+_SAVE_HOOKS: list[Callable[[str, str], None]] = []
+
+
+def add_save_hook(hook: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call ``hook(moment, folder)`` at each commit moment of every later save in this process; return its remover.
+
+    The moments: ``"written"`` (this rank's files are in ``folder``, the ``step_N.tmp`` being written; nothing
+    is committed yet) and ``"manifest"`` (rank 0 only: the manifest is written, the folder not yet renamed).
+    For fault drills (``experiments.drill``): a hook that kills the process or raises ``OSError(ENOSPC)`` there
+    shows that such a save is never taken for a complete checkpoint.
+
+    >>> remove = add_save_hook(lambda moment, folder: print(moment, folder))  # doctest: +SKIP
+    """
+    _SAVE_HOOKS.append(hook)
+    return lambda: _SAVE_HOOKS.remove(hook)
+
+
+def _at(moment: str, folder: str) -> None:
+    for hook in list(_SAVE_HOOKS):
+        hook(moment, folder)
 
 
 # -- where things are -------------------------------------------------------------------------------
@@ -119,11 +141,16 @@ class PendingSave:
         self.path: str | None = None
 
     def wait(self) -> str:
-        """Block until the files are written, commit the checkpoint, and return its folder."""
+        """Block until the files are written, commit the checkpoint, and return its folder.
+
+        Raises:
+            CheckpointError: writing failed (a full or read-only disk); the previous checkpoint is intact.
+        """
         if self.path is None:
-            if self._future is not None:
-                self._future.result()
-            self.path = _commit(self.root, self.step, self._manifest, self._keep)
+            with _writing(self.root, self.step):
+                if self._future is not None:
+                    self._future.result()
+                self.path = _commit(self.root, self.step, self._manifest, self._keep)
             if _PENDING.get(self.root) is self:
                 del _PENDING[self.root]
         return self.path
@@ -147,7 +174,8 @@ def save(
         A :class:`PendingSave`; ``.wait()`` returns the checkpoint folder (already done when not async).
 
     Raises:
-        CheckpointError: a leaf that is neither a tensor nor a JSON value, a bad ``step`` or ``keep``.
+        CheckpointError: a leaf that is neither a tensor nor a JSON value, a bad ``step`` or ``keep``; writing
+            failed (a full or read-only disk: the message says so, and that the previous checkpoint is intact).
 
     >>> save("ckpt", {"params": params, "opt_state": opt_state, "data": {"position": 640}}, step=20)  # doctest: +SKIP
     """
@@ -183,7 +211,8 @@ def save(
     with maybe_disable_local_tensor_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         if not async_:
-            dcp.save(tensors, **kwargs)
+            with _writing(root, step):
+                dcp.save(tensors, **kwargs)
             future = None
         else:
             future = dcp.async_save(tensors, process_group=_async_group(), **kwargs)
@@ -193,6 +222,22 @@ def save(
     else:
         pending.wait()
     return pending
+
+
+@contextlib.contextmanager
+def _writing(root: str, step: int) -> Iterator[None]:
+    """A failed write (a full or read-only disk: OSError, or DCP's exception wrapping one) as a CheckpointError."""
+    try:
+        yield
+    except (OSError, CheckpointException) as e:
+        steps = _steps(root)
+        intact = f"the newest complete one, step_{steps[-1]}, is intact" if steps else "there is no earlier one"
+        raise _error(
+            f"saving step_{step} under {root} failed ({type(e).__name__}: {e}); it is left an unfinished "
+            f"step_{step}.tmp, which latest(), load() and resume() ignore; {intact}",
+            fix="free space on that disk (or make it writable), or save elsewhere; a restart resumes from the "
+                "newest complete checkpoint",
+        ) from e
 
 
 _ASYNC_GROUPS: dict[int, Any] = {}
@@ -213,6 +258,7 @@ def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) ->
     tmp, final = os.path.join(root, f"step_{step}.tmp"), os.path.join(root, f"step_{step}")
     rank = _rank()
     mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata"))
+    _at("written", tmp)
     files = [_describe_files(tmp, mine)]
     if _distributed():
         files = [None] * dist.get_world_size()
@@ -220,6 +266,7 @@ def _commit(root: str, step: int, manifest: dict[str, Any], keep: int | None) ->
     if rank == 0:
         manifest = {**manifest, "time": time.time(), "files": {k: v for part in files for k, v in part.items()}}
         _write_manifest(tmp, manifest)
+        _at("manifest", tmp)
         if os.path.exists(final):
             os.replace(final, final + ".old")
         os.replace(tmp, final)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from shardings.pipeline.schedule import Schedule
 from shardings.pipeline.stages import Split, Stages
+from shardings.runtime import watchdog
 from shardings.runtime.compat import compute_local_shape_and_global_offset, pytree
 
 __all__ = ["Message", "Template", "Wire", "cached_templates", "templates"]
@@ -146,7 +147,15 @@ class Wire:
             return self.local.pop((kind, stage, mb))
         boundary, sender = (stage - 1, stage - 1) if kind == "F" else (stage, stage + 1)
         buf = torch.empty(self.layouts[boundary].nbytes, dtype=torch.uint8)
-        dist.irecv(buf, src=self._peer(sender), group=self.group, tag=self._tag(kind, boundary, mb)).wait()
+        peer = self._peer(sender)
+        message = (f"for the {'activations' if kind == 'F' else 'input gradient'} of microbatch {mb} from rank {peer} "
+                   f"(stage {sender})")
+        try:
+            with watchdog.waiting_for(message):  # a silent peer is named with the message (runtime/watchdog.py)
+                dist.irecv(buf, src=peer, group=self.group, tag=self._tag(kind, boundary, mb)).wait()
+        except RuntimeError as e:  # a timeout or a closed connection: say which message from whom
+            raise RuntimeError(f"pipeline: stage {stage} waited {message} and got none "
+                               f"({type(e).__name__}: {e})") from e
         return self.layouts[boundary].unpack(buf)
 
     def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:

@@ -16,12 +16,15 @@ steps for scripts that manage the group themselves.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
 import pickle
+import re
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -36,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from core import tree
+from shardings.runtime import watchdog
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
 
@@ -127,13 +131,42 @@ def _to_cpu(x: Any) -> Any:
     return x.detach().cpu() if isinstance(x, torch.Tensor) else x
 
 
+def _write_report(path: str, report: dict[str, Any]) -> None:
+    """Write a rank's report whole or not at all: the main thread and the heartbeat thread may both report, and a
+    rank may be killed mid-write (the launcher then read an empty report and crashed: found by the drills)."""
+    tmp = f"{path}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
+def _heartbeats(error_dir: str) -> str:
+    return os.path.join(os.path.dirname(error_dir), "heartbeats")
+
+
 def _report(e: BaseException, error_dir: str) -> None:
-    """Leave the exception that ends this rank where the launcher finds it (the first one only)."""
+    """Leave the exception that ends this rank where the launcher finds it (the first one only), with the peers
+    that had stopped answering by then (:func:`shardings.runtime.watchdog.explain`)."""
+    rank = int(os.environ["RANK"])
+    path = os.path.join(error_dir, f"rank{rank}.json")
+    if not os.path.exists(path):
+        why = watchdog.explain(e, _heartbeats(error_dir), int(os.environ["WORLD_SIZE"]), rank)
+        _write_report(path, {"time": time.time(), "type": type(e).__name__, "message": f"{why}: {e}" if why else str(e),
+                             "traceback": traceback.format_exc()})
+
+
+def _report_hang(error_dir: str, message: str, stack: str, silent: dict[int, float]) -> None:
+    """From the heartbeat thread: a peer stayed silent past the timeout while this rank waits in a call that has
+    no deadline of its own, or in the process group's teardown after its own error (gloo's waits there for the
+    silent peer). Report it as this rank's error unless one is reported, and end the process (the wait cannot be
+    interrupted)."""
     path = os.path.join(error_dir, f"rank{os.environ['RANK']}.json")
     if not os.path.exists(path):
-        report = {"time": time.time(), "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
-        with open(path, "w") as f:
-            json.dump(report, f)
+        _write_report(path, {"time": time.time(), "type": "TimeoutError", "message": message, "traceback": stack})
+    # A stopped peer ignores the SIGTERM the launcher ends the others with, for 30 s (torch's spawn join, not
+    # configurable): end it now, as NCCL's watchdog aborts a hung communicator.
+    watchdog.end(_heartbeats(error_dir), silent)
+    os._exit(1)
 
 
 def _worker(
@@ -144,7 +177,9 @@ def _worker(
     if (backend or _default_backend()) == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share this machine's cores
     try:
-        with _process_group(backend, timeout):
+        hang = functools.partial(_report_hang, error_dir)
+        with watchdog.beating(_heartbeats(error_dir), int(os.environ["RANK"]), world, timeout, hang), \
+                _process_group(backend, timeout):
             try:
                 return pickle.dumps(tree.map(_to_cpu, fn(*args)))
             except BaseException as e:
@@ -188,11 +223,15 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 def _first_error(error_dir: str, failed: ChildFailedError, world_size: int) -> LaunchError:
     reports = {}
     for name in os.listdir(error_dir):
-        with open(os.path.join(error_dir, name)) as f:
-            reports[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
+        if re.fullmatch(r"rank\d+\.json", name):  # not a report still being written (*.tmp)
+            with open(os.path.join(error_dir, name)) as f:
+                reports[int(name.removeprefix("rank").removesuffix(".json"))] = json.load(f)
     # The rank elastic saw exit first; peers usually fail later, of its consequences.
     rank, failure = failed.get_first_failure()
-    if rank not in reports:  # it died without a Python exception (signal, os._exit, segfault)
+    # A rank ended by a peer's watchdog (it had stopped answering: watchdog.end) is not the root cause to report:
+    # the peer's error naming it silent (its own timeout, or the watchdog's TimeoutError) is.
+    ended = any(f"rank {rank} (silent" in r["message"] for r in reports.values())
+    if rank not in reports and not ended:  # it died without a Python exception (signal, os._exit, segfault)
         after = f" (then rank {min(reports)} raised {reports[min(reports)]['type']})" if reports else ""
         signal = f" ({failure.signal_name()})" if failure.exitcode < 0 else ""
         return LaunchError(

@@ -43,7 +43,7 @@ from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
 from shardings.spec.layouts import PARAM_ROLES
 from shardings.spec.mesh import Mesh, P
-from shardings.step import batching, dtensor_path, local_step, mixed, ownership, pipeline_path, update
+from shardings.step import batching, dtensor_path, finite, local_step, mixed, ownership, pipeline_path, update
 from shardings.step.initialize import param_specs
 
 __all__ = ["ParamPlan", "TrainStep", "default_token_count", "train_step"]
@@ -257,6 +257,8 @@ class TrainStep:
                             if r in self.layout.host),
             },
         }
+        if self.scaler is None and scalars:  # fp16's loss scale skips such a step instead (apply)
+            finite.check(self.mesh, grads, metrics["grad_norm"])
         if self.pipeline is not None:
             metrics["pipeline"] = pipeline_path.metrics(self.pipeline, self.last)
         return new_params, new_state, metrics

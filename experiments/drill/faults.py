@@ -1,0 +1,135 @@
+"""Faults a drill plants inside its ranks, armed from the model config (never from the library's step).
+
+A drill's job runs a drill model module (:mod:`experiments.drill.mlp`, :mod:`experiments.drill.moe`): a
+reference model plus the :class:`Faults` fields. Its ``loss`` and pipeline stages go through :func:`poisoned`
+(the ``nan_batch`` fault: one rank's loss, or first stage's output, times NaN during one step). Its ``init`` (run once
+per rank) calls :func:`arm`, which
+leaves the rank's pid where the drill's watcher finds it (``<drill_dir>/pid_rank<r>``: faults from outside,
+SIGKILL or SIGSTOP at a moment the watcher picks) and, for a fault inside ``checkpoint.save``, installs a
+``shardings.checkpoint.add_save_hook`` hook on the chosen rank. Every run of a drill (the uninterrupted one, the
+faulted one, the restart) passes all the fields, so the checkpoints' key paths match; only the values differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardings import checkpoint, pipeline
+
+__all__ = ["DISK_ERRORS", "IN_MODEL", "IN_SAVE", "Faults", "arm", "mark_struck", "poisoned", "poisoned_stages", "wrap"]
+
+# At a checkpoint.save moment (add_save_hook's): SIGKILL once the rank's files are written or once the manifest is;
+# or the disk fills up / turns read-only as the rank's files are written (an OSError from the hook: no tmpfs or
+# root needed, and the save path is the library's own, up to the error).
+DISK_ERRORS = {"disk_full": errno.ENOSPC, "read_only": errno.EROFS}
+IN_SAVE = ("save_written", "save_manifest", *DISK_ERRORS)
+IN_MODEL = ("nan_batch",)  # a batch whose loss is NaN on one rank, during one step
+STRUCK = "struck"  # <drill_dir>/struck: when the fault struck (time.time()), written just before it strikes
+_ARMED: set[str] = set()  # drill dirs this process armed (init may run more than once per rank)
+_CALLS = [0]  # calls of the poisoned function with real (not meta) tensors in this process
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """The fault fields a drill model's ``Config`` adds; the defaults plant nothing."""
+
+    drill_dir: str = ""  # where ranks leave their pids and the fault its time; "" = not in a drill
+    fault: str = "none"  # none, or one of IN_SAVE or IN_MODEL (in-rank); external faults need only the pids
+    fault_rank: int = 0  # the rank the in-rank fault strikes
+    fault_step: int = 0  # the step whose checkpoint.save it strikes, or whose batch is poisoned
+    fault_calls: int = 1  # calls of loss (or of the first stage: one per microbatch) per step on a rank
+
+
+def mark_struck(drill_dir: str, what: str) -> None:
+    """Record when and what struck (the drill measures the seconds until every rank exited from it)."""
+    Path(drill_dir, STRUCK).write_text(f"{time.time()} {what}\n")
+
+
+def _write_pid(drill_dir: str, rank: int) -> None:
+    tmp = Path(drill_dir, f".pid_rank{rank}")
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(Path(drill_dir, f"pid_rank{rank}"))  # the watcher never reads half a pid
+
+
+def _save_fault(cfg: Faults) -> Callable[[str, str], None]:
+    moment = "written" if cfg.fault in DISK_ERRORS else cfg.fault.removeprefix("save_")
+
+    def hook(at: str, folder: str) -> None:
+        if at != moment or Path(folder).name != f"step_{cfg.fault_step}.tmp":
+            return
+        mark_struck(cfg.drill_dir, f"{cfg.fault} on rank {cfg.fault_rank} in checkpoint.save ({moment})")
+        if cfg.fault in DISK_ERRORS:
+            code = DISK_ERRORS[cfg.fault]
+            raise OSError(code, os.strerror(code), folder)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def _poison_now(cfg: Faults, x: Any) -> bool:
+    """Whether this call (the loss, or the first stage) is one of step ``fault_step``'s on the fault's rank."""
+    if cfg.fault != "nan_batch" or getattr(x, "device", None) is None or x.device.type == "meta":
+        return False  # meta: a pipeline tracing its stages' shapes, not a step
+    _CALLS[0] += 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    first = (cfg.fault_step - 1) * cfg.fault_calls
+    if rank == cfg.fault_rank and first < _CALLS[0] <= first + cfg.fault_calls:
+        if cfg.drill_dir:
+            mark_struck(cfg.drill_dir, f"NaN batch on rank {rank} at step {cfg.fault_step}")
+        return True
+    return False
+
+
+def poisoned(fn: Callable[..., Any], cfg: Faults) -> Callable[..., Any]:
+    """``fn`` (a loss, or a first stage) whose result is times NaN in step ``cfg.fault_step`` (nan_batch)."""
+
+    def call(*args: Any) -> Any:
+        out = fn(*args)
+        return out * float("nan") if _poison_now(cfg, out) else out
+
+    return call
+
+
+def poisoned_stages(stages: pipeline.Stages, cfg: Faults) -> pipeline.Stages:
+    """A model's pipeline stages whose first stage is :func:`poisoned`."""
+    return dataclasses.replace(stages, first=poisoned(stages.first, cfg))
+
+
+def arm(cfg: Faults) -> None:
+    """On a real rank of a drill: leave this process's pid, and install the in-rank fault on its rank (once)."""
+    if not cfg.drill_dir or not dist.is_initialized() or cfg.drill_dir in _ARMED:
+        return
+    _ARMED.add(cfg.drill_dir)
+    _CALLS[0] = 0
+    rank = dist.get_rank()
+    _write_pid(cfg.drill_dir, rank)
+    if cfg.fault in IN_SAVE and rank == cfg.fault_rank:
+        checkpoint.add_save_hook(_save_fault(cfg))
+    elif cfg.fault not in ("none", *IN_SAVE, *IN_MODEL):
+        raise ValueError(f"drill: unknown fault {cfg.fault!r}. Fix: one of none, {', '.join(IN_SAVE + IN_MODEL)}.")
+
+
+def wrap(model: Any) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(init, loss, stages)`` of a drill model module over the reference ``model``: init arms the rank, loss and
+    the first stage are :func:`poisoned`."""
+
+    def init(key: Any, cfg: Any) -> Any:
+        arm(cfg)
+        return model.init(key, cfg)
+
+    def loss(params: Any, batch: Any, cfg: Any) -> Any:
+        return poisoned(model.loss, cfg)(params, batch, cfg)
+
+    def stages(cfg: Any) -> pipeline.Stages:
+        return poisoned_stages(model.stages(cfg), cfg)
+
+    return init, loss, stages
