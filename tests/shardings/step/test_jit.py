@@ -92,3 +92,18 @@ def test_jit_under_simulated_ranks_is_a_clear_error():
                                     mesh=mesh, jit=True)
         with pytest.raises(ShardingError, match=r"compile needs real ranks.*Fix: .*shardings.launch"):
             step(params, step.init(params), gpt.example_batch(CFG, 4))
+
+
+
+def test_a_recompile_after_the_warm_up_steps_is_a_sharding_error():
+    # one process, no collectives: the guard itself. A dtype change passes the shape check and recompiles.
+    from shardings.step.compiled import Compiled
+
+    compiled = Compiled(lambda params, batch: (params["w"] * batch["x"]).sum(), "aot_eager", Mesh(dp=1))
+    params = {"w": torch.ones(3, dtype=torch.float64)}
+    for _ in range(WARMUP_STEPS):
+        with compiled.running({"x": torch.ones(3)}):
+            assert compiled.loss_fn(params, {"x": torch.ones(3)}).item() == 3.0
+    with pytest.raises(ShardingError, match=r"(?s)recompiled at step 2.*dtype mismatch.*Fix: keep every input"), \
+            compiled.running({"x": torch.ones(3)}):
+        compiled.loss_fn(params, {"x": torch.ones(3, dtype=torch.float64)})
