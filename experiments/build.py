@@ -45,9 +45,10 @@ class Setup(NamedTuple):
     precision: core.precision.Policy | None = None  # None: fp32 throughout (no policy)
 
 
-def loss(setup: Setup) -> Callable[[Any, Any], Any]:
-    """The loss a train step takes: the model's ``stages(cfg)`` under ``pp``, else its ``loss`` bound to its config."""
-    if setup.layout.pipelined:
+def loss(setup: Setup, jit: bool = False) -> Callable[[Any, Any], Any]:
+    """The loss a train step takes: the model's ``stages(cfg)`` under ``pp`` (and under ``jit``, where the model
+    declares them: each block is compiled on its own), else its ``loss`` bound to its config."""
+    if setup.layout.pipelined or (jit and hasattr(setup.model, "stages")):
         return setup.model.stages(setup.model_cfg)
     return functools.partial(setup.model.loss, cfg=setup.model_cfg)
 

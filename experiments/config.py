@@ -187,6 +187,7 @@ class TrainConf:
     offload: OffloadConf = field(default_factory=OffloadConf)
     steps: int = 60  # optimizer steps: enough for the loss to fall from ln(256)≈5.5 to ~3 on 2 cores
     accum_steps: int = 1  # microbatches per step
+    jit: bool = False  # compile each block (train_step(jit=True)): dp/ZeRO/hsdp; real ranks; others warn, run eager
     seed: int = 0  # parameter init key
     progress: bool = True  # show progress (rank 0): a bar on a terminal, plain lines in a file or log
     progress_every: int = 0  # steps between plain lines when not on a terminal; 0: about 20 lines per run

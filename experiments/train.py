@@ -148,9 +148,9 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
     axes = m.axes(mcfg)
     key = core.random.key(cfg.seed)
     params = shardings.init(m.init, key, mcfg, axes=axes, layout=setup.layout, mesh=setup.mesh, plan=setup.plan)
-    step = shardings.train_step(loss(setup), optimizer(cfg.optim, cfg.steps), layout=setup.layout, mesh=setup.mesh,
-                                axes=axes, accum_steps=setup.microbatches, plan=setup.plan,
-                                clip_norm=cfg.optim.clip_norm, precision=setup.precision,
+    step = shardings.train_step(loss(setup, cfg.jit), optimizer(cfg.optim, cfg.steps), layout=setup.layout,
+                                mesh=setup.mesh, axes=axes, accum_steps=setup.microbatches, plan=setup.plan,
+                                clip_norm=cfg.optim.clip_norm, precision=setup.precision, jit=cfg.jit,
                                 donate=True)  # the loop never reads a step's inputs again
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0

@@ -312,6 +312,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "with the optimizer offloaded, the host update reads the gradients where they are, on the device",
            ("tests/shardings/residency/test_offload.py::test_offloaded_layouts_equal_their_device_twins_bitwise_and_move_"
             "exactly_their_bytes",)),
+    # -- the compiled step (train_step(jit=True)) ---------------------------------------------------------
+    Mutant("jit-block-off-by-one-percent", "shardings/step/compiled.py",
+           "block=lambda p, x, i: block(_resolved(p), x, i))",
+           "block=lambda p, x, i: block(_resolved(p), x, i) * 1.01)",
+           "each compiled block's output is 1% too large (a wrong graph only jit=True runs)",
+           ("tests/shardings/step/test_jit.py::test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_"
+            "with_accumulation_and_clipping",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

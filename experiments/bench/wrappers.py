@@ -25,7 +25,16 @@ pair (ours)        our mesh                      torch side
 ``zero3/offload``  ``Mesh(dp=4)``, layout        FSDP2 with ``CPUOffloadPolicy``: it keeps the sharded
                    ``zero3+offload_optimizer     params, their grads and the optimizer state on the
                    +offload_params``             host and steps there, so ours offloads the same roles
+``dp/jit``         ``Mesh(dp=4)``, layout ``dp``,  ``DistributedDataParallel`` over the model with each
+                   ``train_step(jit=True)``       block's forward ``torch.compile``d (inductor, fullgraph)
+``zero3/jit``      ``Mesh(dp=4)``, layout         FSDP2 ``fully_shard`` per block over blocks whose
+                   ``zero3``, ``jit=True``        forward is ``torch.compile``d (torchtitan's recipe)
 =================  ============================  ====================================================
+
+The ``/jit`` pairs (``--jit`` adds them) compare compiled with compiled, the same recipe on both sides: each
+block one inductor graph, embeddings, head and collectives eager. Ours runs ``models.gpt.stages(cfg)`` as the
+loss (its blocks declared). Neither side's first steps are counted (collectives, peak memory: dispatch modes
+around compiled code would compile other graphs); the eager pairs' rows give those.
 
 On a CPU-only machine FSDP2's default ``CPUOffloadPolicy()`` (``pin_memory=True``) refuses to shard
 (``RuntimeError: Cannot access accelerator device when none is available.`` from ``pin_memory()``), so the
@@ -99,6 +108,7 @@ class _Pair(NamedTuple):
     layout: str | None = None  # our layout; None: the pair's name
     bf16: bool = False  # ours Policy.bf16_mixed(); torch MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     offload: bool = False  # torch side: FSDP2's CPUOffloadPolicy
+    jit: bool = False  # ours train_step(jit=True); torch side each block torch.compile'd before wrapping
 
 
 _PAIRS = {
@@ -110,6 +120,11 @@ _PAIRS = {
     "zero3/offload": _Pair("FSDP2 CPUOffloadPolicy", {"dp": 4}, "zero3+offload_optimizer+offload_params",
                            offload=True),
 }
+_JIT_PAIRS = {
+    "dp/jit": _Pair("DDP + compiled blocks", {"dp": 4}, "dp", jit=True),
+    "zero3/jit": _Pair("FSDP2 + compiled blocks", {"dp": 4}, "zero3", jit=True),
+}
+_PAIRS.update(_JIT_PAIRS)
 
 
 def _rss_mb() -> float:
@@ -117,14 +132,15 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _timed(step, steps: int, warmup: int) -> tuple[list[float], float, PeakMemory]:
-    """Step times after ``warmup`` untimed steps; the first counts collectives, the second live tensor bytes."""
-    times, first_loss, mem, measure_at = [], None, None, min(1, warmup - 1)
+def _timed(step, steps: int, warmup: int, measure: bool = True) -> tuple[list[float], float, PeakMemory | None]:
+    """Step times after ``warmup`` untimed steps; with ``measure``, the first counts collectives, the second live
+    tensor bytes."""
+    times, first_loss, mem, measure_at = [], None, None, min(1, warmup - 1) if measure else -1
     for i in range(warmup + steps):
         dist.barrier()
         with peak_memory() if i == measure_at else contextlib.nullcontext() as m:
             start = time.perf_counter()
-            loss = step(i == 0)  # counting (collectives, memory) costs time: warm-up steps only
+            loss = step(measure and i == 0)  # counting (collectives, memory) costs time: warm-up steps only
             times.append(time.perf_counter() - start)
         mem = m or mem
         first_loss = loss if first_loss is None else first_loss
@@ -136,10 +152,11 @@ def _ours(pair: str, cfg: gpt.Config, batch: dict, comm: list[int]):
     sizes, layout = _PAIRS[pair].mesh, _PAIRS[pair].layout or pair
     mesh = shardings.Mesh(**sizes)
     params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
-    loss_fn = functools.partial(gpt.loss, cfg=cfg)
+    jit = _PAIRS[pair].jit
+    loss_fn = gpt.stages(cfg) if jit else functools.partial(gpt.loss, cfg=cfg)  # jit: its blocks compiled each
     precision = core.precision.Policy.bf16_mixed() if _PAIRS[pair].bf16 else None
     ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh, donate=True,
-                              precision=precision)
+                              precision=precision, jit=jit, count_comms=False)
     state = [params, ts.init(params)]
 
     def step(count: bool) -> float:
@@ -167,6 +184,9 @@ def _wrap_native(model: native_gpt.NativeGpt, pair: str) -> tuple[Any, int]:
     sizes, layout = _PAIRS[pair].mesh, (_PAIRS[pair].layout or pair).split("+offload")[0]
     dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
     dp_mesh = None
+    if _PAIRS[pair].jit:  # each block's forward its own graph (torchtitan's recipe); the wrappers' hooks stay eager
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward, fullgraph=True)
     if tp > 1:
         names = ("dp", "tp") if dp > 1 else ("tp",)
         mesh = init_device_mesh("cpu", (dp, tp) if dp > 1 else (tp,), mesh_dim_names=names)
@@ -213,10 +233,10 @@ def _worker(side: str, pair: str, cfg_kw: dict, batch_size: int, steps: int, war
     batch = gpt.example_batch(cfg, batch_size)
     comm = [0, 0]
     step = (_ours if side == "ours" else _native)(pair, cfg, batch, comm)
-    times, loss, mem = _timed(step, steps, warmup)
+    times, loss, mem = _timed(step, steps, warmup, measure=not _PAIRS[pair].jit)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
-    return {"times": times, "loss": loss, "peak_mb": mem.peak / 2**20, "rss_mb": rss, "comm_bytes": comm[0],
-            "host_bytes": comm[1]}
+    peak = mem.peak / 2**20 if mem else float("nan")  # /jit pairs: not measured
+    return {"times": times, "loss": loss, "peak_mb": peak, "rss_mb": rss, "comm_bytes": comm[0], "host_bytes": comm[1]}
 
 
 def _same_loss(pair: str, ours: float, native: float) -> bool:
@@ -276,7 +296,9 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 timed steps (a smoke run)")
-    parser.add_argument("--pairs", nargs="+", default=list(_PAIRS), choices=list(_PAIRS))
+    parser.add_argument("--pairs", nargs="+", default=[p for p in _PAIRS if p not in _JIT_PAIRS], choices=list(_PAIRS))
+    parser.add_argument("--jit", action="store_true",
+                        help="add the compiled pairs (dp/jit, zero3/jit): train_step(jit=True) vs compiled blocks")
     parser.add_argument("--config", nargs="+", default=["gpt_small"], choices=["gpt_small", "comm"],
                         help="model configs to run (gpt_small: compute-bound; comm: communication dominates)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side and launch (median reported)")
@@ -286,7 +308,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--csv", default="bench.csv", help="where to write the table")
     args = parser.parse_args(argv)
     configs, steps, warmup, rounds = (["quick"], 3, 2, 1) if args.quick else (args.config, args.steps, 3, args.rounds)
-    rows = [r for config in configs for r in run(args.pairs, config, args.batch, steps, warmup, rounds)]
+    pairs = args.pairs + [p for p in _JIT_PAIRS if args.jit and p not in args.pairs]
+    rows = [r for config in configs for r in run(pairs, config, args.batch, steps, warmup, rounds)]
     cols = list(rows[0])
     print(" | ".join(cols))
     for r in rows:

@@ -91,6 +91,7 @@ class Regather:
         bucket = self.buckets[k]
         bucket.cached, bucket.pending, bucket.done = None, None, True
 
+    @torch.compiler.disable  # autograd calls it from compiled code too (jit=True): bookkeeping, not compute
     def pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
         hit = self.tensors.get(id(base))
@@ -100,9 +101,11 @@ class Regather:
             self.order.insert(0, hit[1])
         return _Handle(hit[1], hit[2], t, local=hit[3])
 
+    @torch.compiler.disable
     def unpack(self, saved: Any) -> torch.Tensor:
         return saved.rebuild(self.gathered(saved.bucket)[saved.pos]) if isinstance(saved, _Handle) else saved
 
+    @torch.compiler.disable
     def gathered(self, k: int) -> Sequence[torch.Tensor]:
         """Bucket ``k`` gathered again (the first time backward asks), launching the next one's gather."""
         bucket = self.buckets[k]

@@ -59,6 +59,7 @@ class Gathers:
             return {i: self.materialize(k)[pos] for k, b in enumerate(buckets) for pos, i in enumerate(b)}
         return {i: Lazy(like[i], shape_of(i), self, k, pos) for k, b in enumerate(buckets) for pos, i in enumerate(b)}
 
+    @torch.compiler.disable  # a collective and Python bookkeeping: never traced into a graph (jit=True)
     def materialize(self, k: int) -> Sequence[torch.Tensor]:
         got = self.live.get(k)
         if got is not None:

@@ -36,6 +36,10 @@ class Context(NamedTuple):
 
 # A ContextVar, not a global: each thread (and asyncio task) sees only the contexts it entered.
 _CURRENT: contextvars.ContextVar[Context | None] = contextvars.ContextVar("shardings_context", default=None)
+# The same value as a plain global, for code torch.compile traces: dynamo cannot read a ContextVar (a graph
+# break per read), but reads a global and guards on it, so a compiled function recompiles if the context changes.
+# Only use() writes it; current() reads it only while tracing.
+_TRACED: Context | None = None
 
 
 def _activation_rules(rules_or_layout: Any) -> Rules:
@@ -79,15 +83,25 @@ def use(mesh: Mesh, rules_or_layout: Rules | str | Any = None) -> Iterator[Conte
         raise sharding_error(
             f"expected a shardings.Mesh, got {type(mesh).__name__} {mesh!r}", fix="pass Mesh(...)", cls=TypeError
         )
+    global _TRACED
+    outer = _TRACED
     token = _CURRENT.set(Context(mesh, _activation_rules(rules_or_layout)))
+    _TRACED = _CURRENT.get()
     try:
-        yield _CURRENT.get()
+        yield _TRACED
     finally:
         _CURRENT.reset(token)
+        _TRACED = outer
 
 
 def current() -> Context | None:
-    """The innermost active :class:`Context` (mesh, rules), or ``None`` outside :func:`use`."""
+    """The innermost active :class:`Context` (mesh, rules), or ``None`` outside :func:`use`.
+
+    Traceable: under ``torch.compile`` (``train_step(jit=True)``) it reads the global mirror of the context that
+    :func:`use` keeps, which dynamo guards on, instead of the ``ContextVar`` it cannot trace.
+    """
+    if torch.compiler.is_compiling():
+        return _TRACED
     return _CURRENT.get()
 
 

@@ -43,7 +43,7 @@ from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
 from shardings.spec.layouts import PARAM_ROLES
 from shardings.spec.mesh import Mesh, P
-from shardings.step import batching, dtensor_path, finite, local_step, mixed, ownership, pipeline_path, update
+from shardings.step import batching, compiled, dtensor_path, finite, local_step, mixed, ownership, pipeline_path, update
 from shardings.step.initialize import param_specs
 
 __all__ = ["ParamPlan", "TrainStep", "default_token_count", "train_step"]
@@ -76,13 +76,14 @@ class ParamPlan(NamedTuple):
 
 
 class TrainStep:
-    """A jit-free, pure train step. Build with :func:`train_step`."""
+    """A pure train step, eager or with its model compute compiled (``jit``). Build with :func:`train_step`."""
 
     def __init__(self, loss_fn, optimizer, *, layout, mesh, axes=None, accum_steps=1, clip_norm=None,
                  precision=None, token_count=default_token_count, bucket_mb=buckets.DEFAULT_BUCKET_MB, local=True,
                  count_comms=True, donate=False, plan: Plan | None = None, schedule: str | Schedule | None = None,
                  microbatches: int | None = None, stage_sizes: list[int] | None = None,
-                 virtual_stages: int | None = None, scalar_metrics: bool = True):
+                 virtual_stages: int | None = None, scalar_metrics: bool = True, jit: bool = False,
+                 jit_backend: str = "inductor"):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.layout = layouts.get(layout)
@@ -110,6 +111,7 @@ class TrainStep:
                 f"layout {self.layout.name!r} pipelines the model's blocks, but the loss {loss_fn!r} does not declare "
                 "its stages", fix="pass the model's stages as the loss, e.g. train_step(models.gpt.stages(cfg), ...)",
                 cls=TypeError, mesh=mesh)
+        self.compiled = compiled.Compiled(loss_fn, jit_backend, mesh) if jit else None
         self._plan: ParamPlan | None = None
         self._grad_nbytes: int | None = None
         self.offload_opt = "opt_state" in self.layout.host
@@ -193,14 +195,21 @@ class TrainStep:
 
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
+        if self.compiled is not None:
+            self.compiled.check_ranks()
+            if plan.local is None:  # the DTensor or pipeline path
+                self.compiled.fallback(f"layout {self.layout.name!r} runs on DTensors (model-parallel axes or pp), "
+                                       "whose per-op layer does not compile yet (docs/performance.md)")
         if self.layout.pipelined:
             return pipeline_path.grads(self, plan, params, batch, scale)
-        batch = self.place_batch(batch)
-        if plan.local is None:
-            return dtensor_path.grads(self, plan, params, batch, scale)
-        rows = [tree.map(lambda x: x.to_local(), mb) for mb in self.microbatches(batch)]
-        loss, g, tokens = local_step.run(plan.local, self.mesh, self.loss_fn, plan.treedef, tree.leaves(params),
-                                         rows, self.token_count, self.cast, plan.placements["opt_state"], scale)
+        with self.compiled.running(batch) if self.compiled and plan.local else contextlib.nullcontext():
+            batch = self.place_batch(batch)
+            if plan.local is None:
+                return dtensor_path.grads(self, plan, params, batch, scale)
+            rows = [tree.map(lambda x: x.to_local(), mb) for mb in self.microbatches(batch)]
+            loss_fn = self.compiled.loss_fn if self.compiled else self.loss_fn
+            loss, g, tokens = local_step.run(plan.local, self.mesh, loss_fn, plan.treedef, tree.leaves(params),
+                                             rows, self.token_count, self.cast, plan.placements["opt_state"], scale)
         return loss, tree.unflatten(plan.treedef, g), tokens
 
     def apply(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
@@ -322,7 +331,7 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                count_comms: bool = True, donate: bool = False, plan: Plan | None = None,
                microbatches: int | None = None, schedule: str | Schedule | None = None,
                stage_sizes: list[int] | None = None, virtual_stages: int | None = None,
-               scalar_metrics: bool = True) -> TrainStep:
+               scalar_metrics: bool = True, jit: bool = False, jit_backend: str = "inductor") -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:
@@ -363,6 +372,14 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
             ``pipeline.split``); a schedule with v stages per rank has ``pp·v`` stages.
         virtual_stages: with ``pp`` and no ``plan``: stages per rank for a schedule that lets the caller choose
             (``interleaved_1f1b``, default 2).
+        jit: compile the model's compute (:mod:`shardings.step.compiled`): each block of a loss that declares its
+            blocks (``models.gpt.stages(cfg)``) one ``torch.compile``d graph, or the whole loss; the collectives stay
+            eager and overlapped around the graphs (torchtitan's per-block recipe). Data-parallel layouts (``dp``,
+            ZeRO, ``hsdp``) compile; the DTensor path and ``pp`` run eagerly with a
+            :class:`~shardings.step.compiled.CompileFallbackWarning`. Needs real ranks (``shardings.launch``).
+            The batch shape must stay fixed; a recompile after the warm-up steps raises a ``ShardingError``.
+        jit_backend: ``torch.compile``'s backend under ``jit``: ``"inductor"`` (fused kernels) or ``"aot_eager"``
+            (the same graphs without code generation: quick to compile, for tests).
 
     With ``pp`` the loss must be the model's ``Stages`` (``models.gpt.stages(cfg)``):
     :mod:`shardings.step.pipeline_path`.
@@ -378,4 +395,4 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                      clip_norm=clip_norm, precision=precision, token_count=token_count, bucket_mb=bucket_mb,
                      local=local, count_comms=count_comms, donate=donate, plan=plan, schedule=schedule,
                      microbatches=microbatches, stage_sizes=stage_sizes, virtual_stages=virtual_stages,
-                     scalar_metrics=scalar_metrics)
+                     scalar_metrics=scalar_metrics, jit=jit, jit_backend=jit_backend)

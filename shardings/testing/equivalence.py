@@ -19,7 +19,7 @@ from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
 from shardings.testing.power import Judge, Limit, detection_limit, summarize, unknown_patterns
 from shardings.testing.report import Report, Row
-from shardings.testing.sharded_runs import StagesOf, run_layout
+from shardings.testing.sharded_runs import StagesOf, runners
 from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, largest, tolerance
 
 __all__ = ["EquivalenceError", "Limit", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
@@ -169,6 +169,8 @@ def check_equivalence(
     fp32_twin: bool = True,
     tolerances: dict[str, float] | None = None,
     exclude: Sequence[str] = (),
+    jit: bool = False,
+    jit_backend: str = "inductor",
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -230,6 +232,11 @@ def check_equivalence(
         tolerances: key-path regex -> ulps, for the leaves it matches (``re.search`` on the path as the report
             prints it: ``{"'bk'": 256}`` for every ``['blocks'][i]['bk']``); the first match wins. Reported.
         exclude: key-path regexes of leaves left out of every comparison (reported in the table).
+        jit: the train step's ``jit`` option (``torch.compile``, per block when ``stages`` is given); needs
+            ``runtime="multiprocess"`` (simulated ranks cannot be compiled: the step says so).
+        jit_backend: the train step's ``jit_backend`` (``"aot_eager"``: the same graphs, compiled quickly).
+
+    With ``runtime="multiprocess"`` one set of real ranks runs every layout in turn (one launch).
 
     Returns:
         A :class:`Report` (``print(report)`` shows the table).
@@ -250,12 +257,14 @@ def check_equivalence(
         policies.append(("@fp32", dataclasses.replace(precision, compute_dtype=torch.float32)))
     reports = []
     for suffix, policy in policies:
-        runs = {}
+        jobs = {}
         for layout in layouts:
             layout = get_layout(layout)
             step_kw = dict(accum_steps=accum_steps, clip_norm=clip_norm, local=local, donate=donate,
                            bucket_mb=bucket_mb, precision=policy)
-            layout_loss = loss_fn
+            if jit:
+                step_kw.update(jit=True, jit_backend=jit_backend)
+            layout_loss = StagesOf(stages, cfg) if jit and stages is not None else loss_fn  # jit: a graph per block
             if layout.pipelined:
                 if stages is None:
                     raise ValueError(f"check_equivalence: layout {layout.name!r} pipelines the blocks. Fix: pass "
@@ -264,8 +273,9 @@ def check_equivalence(
                     shapes = init(key, cfg)
                 layout_loss, step_kw["plan"] = StagesOf(stages, cfg), pipeline_plan(
                     layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks)
-            runs[layout.name + suffix] = functools.partial(run_layout, runtime, init, layout_loss, axes, cfg, batch,
-                                                           optimizer, steps, key, layout, mesh, step_kw)
+            jobs[layout.name + suffix] = (init, layout_loss, axes, cfg, batch, optimizer, steps, key, layout, mesh,
+                                          step_kw)
+        runs = runners(runtime, jobs)
         reports.append(check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm,
                                   seed=seed, terms=terms, ulps=ulps, raise_on_failure=False, precision=policy,
                                   tolerances=tolerances, exclude=exclude))

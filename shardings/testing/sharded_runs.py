@@ -4,6 +4,7 @@ rank's full loss, gradients and parameters (what :mod:`shardings.testing.equival
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from shardings.spec.distribute import gather
 from shardings.step.initialize import init as sharded_init
 from shardings.step.train_step import train_step
 
-__all__ = ["StagesOf", "run_layout"]
+__all__ = ["StagesOf", "run_layout", "runners"]
 
 
 def _rank_values(full_tree: Any) -> list[Any]:
@@ -31,6 +32,10 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
     where = {"plan": step_kw["plan"]} if "plan" in step_kw else {}  # pp: which rank runs which stage
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
     loss_fn = loss_fn.build() if isinstance(loss_fn, StagesOf) else loss_fn
+    if step_kw.get("jit"):  # each layout's graphs compiled afresh: another layout's count against no limit
+        import torch
+
+        torch._dynamo.reset()
     step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
     state = step.init(params)
     sync = getattr(step, "gather_stages", lambda t: t)  # pp on real ranks: each block from the rank that owns it
@@ -60,6 +65,32 @@ def _worker(*args: Any) -> list[Any]:
     return [ranks[0] for ranks in _sharded_run(*args)]
 
 
+def _worker_all(jobs: dict[str, tuple]) -> dict[str, list[Any]]:
+    # One real rank running every layout in turn: one process start (and one torch import) for all of them.
+    return {name: _worker(*args) for name, args in jobs.items()}
+
+
+def runners(runtime: str, jobs: dict[str, tuple]) -> dict[str, Callable[[], list[list[Any]]]]:
+    """Per name, a function returning :func:`run_layout`'s per-step values for ``jobs[name]`` (its arguments after
+    ``runtime``). With ``runtime="multiprocess"`` the first call launches one set of real ranks that runs every
+    job in sequence (jobs share the mesh): the process start (~8 s) and, under ``jit``, the compiler's warm-up are
+    paid once, not per layout."""
+    if runtime != "multiprocess" or len(jobs) < 2:
+        return {name: functools.partial(run_layout, runtime, *args) for name, args in jobs.items()}
+    done: dict[str, list[list[Any]]] = {}
+
+    def run(name: str) -> list[list[Any]]:
+        if not done:
+            _check_factory(next(iter(jobs.values()))[5])
+            from shardings.runtime.launch import launch
+
+            per_rank = launch(_worker_all, next(iter(jobs.values()))[-2].size, jobs)
+            done.update({n: [list(step) for step in zip(*(r[n] for r in per_rank))] for n in jobs})
+        return done[name]
+
+    return {name: functools.partial(run, name) for name in jobs}
+
+
 def run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw):
     args = (init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout, mesh, step_kw)
     if runtime == "simulate":
@@ -67,13 +98,17 @@ def run_layout(runtime, init, loss_fn, axes, cfg, batch, optimizer, steps, key, 
             return _sharded_run(*args)
     if runtime != "multiprocess":
         raise ValueError(f"check_equivalence: runtime must be 'simulate' or 'multiprocess', got {runtime!r}")
+    _check_factory(optimizer)
+    from shardings.runtime.launch import launch
+
+    per_rank_steps = launch(_worker, mesh.size, *args)
+    return [list(step) for step in zip(*per_rank_steps)]
+
+
+def _check_factory(optimizer: Any) -> None:
     if isinstance(optimizer, core.optim.GradientTransformation):
         raise TypeError(
             "check_equivalence(runtime='multiprocess') sends the optimizer to other processes, and a "
             "GradientTransformation holds closures that cannot be pickled. Fix: pass a factory, e.g. "
             "optimizer=functools.partial(core.optim.adamw, 1e-3)."
         )
-    from shardings.runtime.launch import launch
-
-    per_rank_steps = launch(_worker, mesh.size, *args)
-    return [list(step) for step in zip(*per_rank_steps)]

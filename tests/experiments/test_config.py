@@ -96,3 +96,13 @@ def test_impossible_combinations_fail_at_build(compose_train, overrides, message
     with pytest.raises(ConfigError, match=message) as info:
         build(compose_train(*overrides))
     assert "Fix:" in str(info.value)
+
+
+def test_jit_true_gives_the_train_step_the_models_stages_to_compile_block_by_block(compose_train):
+    from experiments.build import loss
+    from shardings.pipeline import Stages
+
+    cfg = compose_train("jit=true", "layout=zero3", "mesh=dp4", "runtime=simulate")
+    setup = build(cfg)
+    assert cfg.jit is True and isinstance(loss(setup, cfg.jit), Stages)
+    assert not isinstance(loss(setup), Stages)  # eager: the model's loss, as before

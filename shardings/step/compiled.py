@@ -1,0 +1,144 @@
+"""``train_step(..., jit=True)``: the sharded step with its model compute compiled, torchtitan's recipe.
+
+What is compiled is the model, block by block, not the step: when the loss declares its blocks (a
+:class:`~shardings.pipeline.Stages`, ``models.gpt.stages(cfg)``) each block call runs one ``torch.compile``d
+graph (the same graph for every block of the same shapes); a loss that declares no blocks is compiled whole.
+Everything around the graphs stays eager, as FSDP2's hooks stay eager around torchtitan's compiled blocks: the
+local path's bucketed all-gathers, reduce-scatters and all-reduces (:mod:`shardings.step.local_step`) are launched
+from the same hooks, at the same points of backward, so they overlap with it exactly as in the eager step.
+
+What makes a block traceable:
+
+- the active mesh lookup: :func:`shardings.spec.context.current` reads a dynamo-visible global while tracing;
+- ZeRO-3's gathered parameters: a block's placeholders are resolved (its bucket gathered) *before* the compiled
+  block is entered, FSDP2's pre-forward position, so no parameter placeholder reaches the graph; the
+  re-gather bookkeeping autograd calls (saved-tensor hooks) is ``torch.compiler.disable``d.
+
+Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
+some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step
+:data:`WARMUP_STEPS` on, the step runs under ``torch.compiler.set_stance("fail_on_recompile")`` with
+``fail_on_recompile_limit_hit``, so any other recompile is an error, never a silent slow step.
+
+Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): the DTensor
+path (tp, sp, cp, ep: shardings' per-op layer is not traceable yet) and pipelined layouts. Simulated ranks
+cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in torch 2.13): a
+``ShardingError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from core import tree
+from shardings.pipeline import Stages
+from shardings.runtime.simulate import simulated
+from shardings.spec.errors import ShardingError, sharding_error
+from shardings.spec.mesh import Mesh
+from shardings.spec.placeholder import resolve
+
+__all__ = ["WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
+
+WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
+
+
+class CompileFallbackWarning(UserWarning):
+    """``train_step(jit=True)`` runs this layout's step eagerly: its path cannot be compiled yet."""
+
+
+def _resolved(tree_: Any) -> Any:
+    """``tree_`` with every placeholder leaf gathered (a ZeRO-3 bucket), so the graph sees plain tensors."""
+    return tree.map(resolve, tree_)
+
+
+def compile_loss(loss_fn: Callable, backend: str) -> Callable:
+    """The loss with its blocks compiled (each its own graph, collectives eager around it), or compiled whole
+    when it declares no blocks.
+
+    >>> loss = compile_loss(models.gpt.stages(cfg), "inductor")  # doctest: +SKIP
+    """
+    options = dict(backend=backend, dynamic=False, fullgraph=True)
+    if isinstance(loss_fn, Stages):
+        block = torch.compile(loss_fn.block, **options)
+        return dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))
+    whole = torch.compile(loss_fn, **options)
+    return lambda params, batch: whole(_resolved(params), batch)
+
+
+class Compiled:
+    """One train step's compiled loss and its guards (module docstring).
+
+    Args:
+        loss_fn: the step's loss (a ``Stages`` gets per-block graphs).
+        backend: ``torch.compile``'s backend: ``"inductor"`` (fused kernels: what runs fast) or
+            ``"aot_eager"`` (the same graphs through AOTAutograd without code generation: tests, where inductor's
+            compile time would dominate).
+        mesh: the step's mesh (named in errors).
+    """
+
+    def __init__(self, loss_fn: Callable, backend: str, mesh: Mesh):
+        self.loss_fn, self.backend, self.mesh = compile_loss(loss_fn, backend), backend, mesh
+        self.steps = 0
+        self.shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # batch leaf path -> its shape at step 0
+        self.warned = False
+
+    def fallback(self, why: str) -> None:
+        """Warn (once) that this layout's step runs eagerly, and why."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(CompileFallbackWarning(
+                f"train_step(jit=True): {why}; this step runs eagerly (same results, no compiled graphs). "
+                "Fix: pass jit=False to silence this, or a data-parallel layout (dp, zero1/2/3, hsdp) to compile"),
+                stacklevel=4)
+
+    def check_ranks(self) -> None:
+        """Raise under simulated ranks: their tensors (``LocalTensorMode``) cannot be compiled."""
+        if simulated():
+            raise sharding_error(
+                "train_step(jit=True): compile needs real ranks; simulated ranks (shardings.simulate) run every rank "
+                "in one process as LocalTensors, which torch.compile cannot trace (torch 2.13)",
+                fix="run the step on real ranks with shardings.launch(fn, n), or pass jit=False under simulate",
+                mesh=self.mesh)
+
+    def check_batch(self, batch: Any) -> None:
+        """Every batch leaf keeps the shape it had on the first step (the graphs are compiled for it)."""
+        shapes = [(path, tuple(x.shape)) for path, x in tree.leaves_with_path(batch) if hasattr(x, "shape")]
+        if self.shapes is None:
+            self.shapes = shapes
+            return
+        for (path, want), (_, got) in zip(self.shapes, shapes, strict=True):
+            if want != got:
+                raise sharding_error(
+                    f"train_step(jit=True) compiled its graphs for batch leaf shape {want}, got {got} at step "
+                    f"{self.steps}; a new shape would compile new graphs (and, on real ranks, at different steps "
+                    "on different ranks)", path=path, mesh=self.mesh,
+                    fix="keep the batch shape fixed (pad to the sequence length, drop the last short batch), or "
+                        "build another train_step for the new shape, or pass jit=False")
+
+    @contextlib.contextmanager
+    def running(self, batch: Any) -> Iterator[None]:
+        """One compiled step: its batch checked; from :data:`WARMUP_STEPS` on, any recompile is an error."""
+        self.check_ranks()
+        self.check_batch(batch)
+        warm = self.steps >= WARMUP_STEPS
+        self.steps += 1
+        if not warm:
+            yield
+            return
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"), \
+                    torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                yield
+        except RuntimeError as e:
+            if "recompile" not in str(e).lower():
+                raise
+            raise ShardingError(str(sharding_error(
+                f"train_step(jit=True) recompiled at step {self.steps - 1}, after its {WARMUP_STEPS} warm-up steps "
+                f"({str(e).strip()})", mesh=self.mesh,
+                fix="keep every input of the loss (batch shapes, dtypes, Python values it reads) the same from step "
+                    "to step, or pass jit=False"))) from e

@@ -1,0 +1,109 @@
+"""``train_step(jit=True)``: the compiled step equals the single-device reference, compiles once, and says no.
+
+Compiled steps run on real gloo ranks only (simulated ranks cannot be compiled, torch 2.13). Compiling costs
+most of these tests' time, so they use the ``tiny`` gpt and ``jit_backend="aot_eager"``: the same dynamo graphs
+and AOTAutograd forward/backward split as inductor, without inductor's code generation (tens of seconds per
+rank on this 2-core box; the inductor path is the bench's, ``python -m experiments.bench --jit``). Each test is
+one launch that runs all its cases in sequence.
+"""
+
+import dataclasses
+import functools
+import warnings
+
+import pytest
+import torch
+
+import core
+import shardings
+from models import gpt
+from shardings import Mesh, launch
+from shardings.spec.errors import ShardingError
+from shardings.step.compiled import WARMUP_STEPS, CompileFallbackWarning
+from shardings.testing import check_equivalence
+
+pytestmark = pytest.mark.multiprocess
+
+CFG = gpt.Config(vocab=256, dim=64, layers=2, heads=4, seq_len=32)
+
+
+def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accumulation_and_clipping():
+    # one launch for the four layouts (check_equivalence's multiprocess runs share it); a graph per block
+    check_equivalence(gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 8),
+                                layouts=["dp", "zero2", "zero3", "hsdp"], mesh=Mesh(dp=2, fsdp=2), steps=3,
+                                accum_steps=2, clip_norm=0.5, runtime="multiprocess", stages=gpt.stages,
+                                jit=True, jit_backend="aot_eager")
+
+
+def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list[tuple[int, int]]:
+    """(graphs compiled so far, graph breaks so far) after each of ``steps`` compiled steps."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
+    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh, accum_steps=2,
+                                clip_norm=0.5, jit=True, jit_backend="aot_eager", count_comms=False)
+    state, batch, seen = step.init(params), gpt.example_batch(CFG, 8), []
+    for _ in range(steps):
+        params, state, _ = step(params, state, batch)
+        seen.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+    short = gpt.example_batch(dataclasses.replace(CFG, seq_len=16), 8)
+    try:
+        step(params, state, short)
+        seen.append("no error")
+    except ShardingError as e:
+        seen.append(str(e))
+    return seen
+
+
+def _counts_and_errors() -> dict:
+    out = {"zero3": _counted_steps("zero3", Mesh(dp=2), 2 + WARMUP_STEPS)}
+    mesh = Mesh(tp=2)
+    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="tp", mesh=mesh)
+    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="tp", mesh=mesh, jit=True,
+                                count_comms=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = step.init(params)
+        for _ in range(2):
+            params, state, metrics = step(params, state, gpt.example_batch(CFG, 8))
+    out["tp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    out["tp_loss"] = metrics["loss"]
+    return out
+
+
+def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_dtensor_fallback_warning():
+    got = launch(_counts_and_errors, 2)[0]
+    *counts, error = got["zero3"]
+    # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
+    assert counts == [(1, 0)] * len(counts), counts
+    assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
+    # the DTensor path runs eagerly, said once with the warning's class, and still trains
+    assert len(got["tp"]) == 1 and "runs eagerly" in got["tp"][0], got["tp"]
+    assert 0 < got["tp_loss"] < 10
+
+
+def test_jit_under_simulated_ranks_is_a_clear_error():
+    mesh = Mesh(dp=2)
+    with shardings.simulate(2):
+        params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="dp", mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.adamw(1e-3), layout="dp",
+                                    mesh=mesh, jit=True)
+        with pytest.raises(ShardingError, match=r"compile needs real ranks.*Fix: .*shardings.launch"):
+            step(params, step.init(params), gpt.example_batch(CFG, 4))
+
+
+
+def test_a_recompile_after_the_warm_up_steps_is_a_sharding_error():
+    # one process, no collectives: the guard itself. A dtype change passes the shape check and recompiles.
+    from shardings.step.compiled import Compiled
+
+    compiled = Compiled(lambda params, batch: (params["w"] * batch["x"]).sum(), "aot_eager", Mesh(dp=1))
+    params = {"w": torch.ones(3, dtype=torch.float64)}
+    for _ in range(WARMUP_STEPS):
+        with compiled.running({"x": torch.ones(3)}):
+            assert compiled.loss_fn(params, {"x": torch.ones(3)}).item() == 3.0
+    with pytest.raises(ShardingError, match=r"(?s)recompiled at step 2.*dtype mismatch.*Fix: keep every input"), \
+            compiled.running({"x": torch.ones(3)}):
+        compiled.loss_fn(params, {"x": torch.ones(3, dtype=torch.float64)})
