@@ -146,17 +146,31 @@ def _stages_per_rank(schedule: str) -> int:
     return stages_per_rank(schedule)
 
 
+def _keeps_master(leaves: model_state.Leaves, compute: torch.dtype | None) -> bool:
+    """The step's ``mixed.keeps_master``, from the leaves: a compute dtype narrower than a floating parameter's and
+    some leaf whose optimizer state is split where its storage is not (ZeRO-1/2's ``regather``)."""
+    every = leaves.edge + leaves.period
+    return (compute is not None and any(leaf.floating and leaf.itemsize != compute.itemsize for leaf in every)
+            and any(leaf.regather for leaf in every))
+
+
+def _stored_width(leaf: model_state.Leaf, compute: torch.dtype | None, master: bool) -> int:
+    """Bytes per element of a leaf's stored params: the compute copy's when the master lives in the state."""
+    return compute.itemsize if master and leaf.floating else leaf.itemsize
+
+
 def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
            factor: float, layout: layouts.Layout) -> dict[str, float]:
     out = dict.fromkeys(("params", "compute", "grads", "opt_state", "opt_bytes"), 0.0)
+    master = _keeps_master(leaves, compute)  # ZeRO-1/2 + policy: the fp32 master sharded with the state
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
             size = leaf.itemsize
-            out["params"] += k * leaf.numel["params"] * size
-            if compute is not None and leaf.floating:
+            out["params"] += k * leaf.numel["params"] * _stored_width(leaf, compute, master)
+            if compute is not None and leaf.floating and not master:
                 out["compute"] += k * leaf.numel["params"] * compute.itemsize
             out["grads"] += k * leaf.numel["held"] * (reduce.itemsize if reduce and leaf.floating else size)
-            out["opt_state"] += k * leaf.numel["opt_state"] * size * factor
+            out["opt_state"] += k * leaf.numel["opt_state"] * size * (factor + (master and leaf.floating))
             out["opt_bytes"] += k * leaf.numel["opt_state"] * size
     return out
 
@@ -164,9 +178,11 @@ def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None,
 def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dict[str, int],
                 compute: torch.dtype | None, reduce: torch.dtype | None, gathers_per_step: int,
                 layout: layouts.Layout) -> None:
+    master = _keeps_master(leaves, compute)
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
             width = compute.itemsize if compute and leaf.floating else leaf.itemsize
+            stored = leaf.numel["params"] * _stored_width(leaf, compute, master)
             grad = (reduce.itemsize if reduce and leaf.floating else leaf.itemsize) * leaf.numel["compute"]
             full = leaf.numel["compute"] * width
             times = gathers_per_step * (2 if leaf.in_blocks else 1)
@@ -178,15 +194,14 @@ def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dic
                 shard /= sizes[a]
             for a in leaf.reduce:
                 comm.add("all_reduce", a, k * shard, k * shard / _BUCKET, sizes[a])
-            for a in leaf.regather:
-                stored = leaf.numel["params"] * leaf.itemsize
+            for a in leaf.regather:  # updated shards gathered back in their stored dtype
                 comm.add("all_gather", a, k * stored, k * stored / _BUCKET, sizes[a])
-            if "opt_state" in layout.host:
+            if "opt_state" in layout.host:  # gradient (and param, unless the master is there) blocks, both ways
                 moved = leaf.numel["opt_state"] * leaf.itemsize
-                comm.add("d2h", "host", k * (2 * moved), k)
-                comm.add("h2d", "host", k * moved, k)
+                back = leaf.numel["opt_state"] * _stored_width(leaf, compute, master)
+                comm.add("d2h", "host", k * (moved if master else 2 * moved), k)
+                comm.add("h2d", "host", k * back, k)
             if "params" in layout.host:
-                stored = leaf.numel["params"] * leaf.itemsize
                 comm.add("h2d", "host", k * stored, k)
                 comm.add("d2h", "host", k * stored, k)
 
