@@ -51,7 +51,6 @@ from omegaconf import DictConfig, OmegaConf
 
 import core
 import shardings
-from experiments import plan
 from experiments.build import ConfigError, Setup, build, loss, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
 from experiments.data import DataState, Packed, load_corpus
@@ -260,8 +259,8 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     """
     if cfg.runtime.kind == "torchrun":
         _torchrun_env()
-    cfg = plan.auto(cfg)  # layout=auto: planned once, here; every rank runs the winner
     setup = build(cfg)
+    cfg = setup.conf  # layout=auto: the winner build planned, once; every rank runs it
     if cfg.model.init_from:
         pretrained(cfg.model.init_from, setup)  # a mismatch fails here, before any process starts
     conf = OmegaConf.to_container(cfg, resolve=True)
