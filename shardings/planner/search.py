@@ -1,9 +1,10 @@
 """``shardings.plan``: enumerate, estimate every candidate, run the promising ones on fake tensors, rank.
 
 1. Candidates from the registries (:mod:`shardings.planner.candidates`).
-2. Every candidate estimated (:mod:`shardings.planner.estimate`, microseconds each; model state exact), timed
-   on the cluster (:mod:`shardings.planner.cost`), and dropped when its model state alone, or its estimated
-   peak by more than ``slack``, exceeds a rank's memory.
+2. Every candidate's exact model state (one per signature: layout, mesh, precision and blocks per rank), and
+   those that cannot hold it dropped at once; the rest estimated (:mod:`shardings.planner.estimate`,
+   microseconds each), timed on the cluster (:mod:`shardings.planner.cost`), and dropped when their estimated
+   peak exceeds a rank's memory by more than ``slack``.
 3. The fastest estimates are run exactly (:mod:`shardings.planner.exact`: fake steps at two depths), best first,
    until ``top_k`` exact candidates fit and no estimate left is faster than the ``top_k``-th exact one, or
    ``budget_s`` is spent. An exact candidate that does not fit is dropped with its numbers, and so is an
@@ -25,7 +26,7 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import step_time
 from shardings.planner.model_profile import block_period, profile
-from shardings.planner.ranking import Ranking, Row, describe_drop
+from shardings.planner.ranking import Ranking, Row, describe_drop, describe_state_drop
 from shardings.spec.errors import ShardingError
 
 __all__ = ["plan"]
@@ -76,7 +77,12 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     dropped: dict[Candidate, str] = {}
     estimated: list[Row] = []
     for cand in candidates:
-        try:
+        try:  # exact model state first, one per signature: what cannot hold it is dropped before anything else
+            state = estimates.model_state_memory(model, cfg, cand.layout, cand.mesh, cand.precision,
+                                                 estimates.busiest_blocks(cfg, cand), period, optimizer)
+            if sum(state.values()) > cluster.memory:
+                dropped[cand] = describe_state_drop(state, cluster)
+                continue
             pred = estimates.estimate(model, cfg, rows, cand, optimizer, profiles, period)
         except ValueError as e:  # ShardingError too: the layout cannot split this model (heads over tp, ...)
             dropped[cand] = f"cannot run: {str(e).splitlines()[0]}"
