@@ -43,6 +43,7 @@ class Setup(NamedTuple):
     microbatches: int = 1  # per step: accum_steps, or with pp the pipeline plan's
     plan: pipeline.Plan | None = None  # with pp: the run's pipeline plan (schedule, microbatches, split); None without
     precision: core.precision.Policy | None = None  # None: fp32 throughout (no policy)
+    conf: Any = None  # the config as resolved: with layout=auto, the planner's winner's layout, mesh and pipeline
 
 
 def loss(setup: Setup, jit: bool = False) -> Callable[[Any, Any], Any]:
@@ -115,13 +116,14 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         seq_len: tokens per row (default ``cfg.data.seq_len``, else the model config's ``seq_len``).
 
     Returns:
-        A :class:`Setup`.
+        A :class:`Setup`; with ``layout=auto`` the planner's winner (``experiments.plan.auto``: it prints the ranked
+        table), whose resolved config is ``Setup.conf``.
 
     >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh  # doctest: +SKIP
     Mesh(dp=4)
     """
-    if str(cfg.layout) == "auto":  # the planner picks layout, mesh and pipeline (experiments.plan.auto)
-        from experiments.plan import auto
+    if str(cfg.layout) == "auto":  # the one place it is resolved: the planner picks layout, mesh and pipeline
+        from experiments.plan import auto  # (experiments.plan.auto); callers read the winner in Setup.conf
 
         cfg = auto(cfg)
     module, model_cfg = _model(cfg.model)
@@ -161,7 +163,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
                f"{dp} data-parallel ranks × {accum} accumulation steps")
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
-    return Setup(module, model_cfg, layout, mesh, seq_len, micro, plan, precision)
+    return Setup(module, model_cfg, layout, mesh, seq_len, micro, plan, precision, cfg)
 
 
 def _pipeline_plan(module: ModuleType, model_cfg: Any, layout: layouts.Layout, mesh: Mesh, shapes: Any, pipe: Any,

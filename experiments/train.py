@@ -51,7 +51,6 @@ from omegaconf import DictConfig, OmegaConf
 
 import core
 import shardings
-from experiments import plan
 from experiments.build import ConfigError, Setup, build, loss, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
 from experiments.data import DataState, Packed, load_corpus
@@ -155,7 +154,7 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
     ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):
-        like = _train_state(params, step.init(params), DataState(0), key, conf)
+        like = _train_state(step.stored(params), step.init(params), DataState(0), key, conf)
         with warnings.catch_warnings():
             if not _is_main():  # rank 0 says which checkpoint was skipped, once
                 warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
@@ -168,6 +167,7 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
             params = shardings.init(lambda _key, _cfg: whole, key, mcfg, axes=axes, layout=setup.layout,
                                     mesh=setup.mesh, plan=setup.plan)
         opt_state, data_state = step.init(params), DataState(0)
+        params = step.stored(params)  # zero1/2 under a policy: the compute copy (the fp32 master is in opt_state)
     data = Packed(load_corpus(cfg.data.source, cfg.data.max_bytes, cfg.data.seed), setup.seq_len,
                   cfg.data.batch_size, cfg.data.seed)
     main = _is_main()
@@ -262,8 +262,8 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     """
     if cfg.runtime.kind == "torchrun":
         _torchrun_env()
-    cfg = plan.auto(cfg)  # layout=auto: planned once, here; every rank runs the winner
     setup = build(cfg)
+    cfg = setup.conf  # layout=auto: the winner build planned, once; every rank runs it
     if cfg.model.init_from:
         pretrained(cfg.model.init_from, setup)  # a mismatch fails here, before any process starts
     conf = OmegaConf.to_container(cfg, resolve=True)

@@ -31,7 +31,7 @@ from shardings.planner.model_profile import Profile
 from shardings.planner.prediction import Prediction
 from shardings.spec import layouts
 
-__all__ = ["DTYPES", "estimate", "pipeline_facts", "stage_blocks"]
+__all__ = ["DTYPES", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts", "stage_blocks"]
 
 DTYPES = {"fp32": (None, None), "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
 _BUCKET = 25 * 2**20  # bytes per bucketed collective (shardings.comm.buckets.DEFAULT_BUCKET_MB)
@@ -92,26 +92,26 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     """
     layout = layout_of(cand.layout)
     sizes = cand.sizes
-    compute, reduce = DTYPES[cand.precision]
+    compute = DTYPES[cand.precision][0]
     stage = tuple((a, n) for a, n in sizes.items() if a != "pp") or (("dp", 1),)  # as Mesh.without("pp")
     leaves = model_state.leaves(model, cfg, cand.layout, stage, period)
-    pp, m, layers = cand.size("pp"), cand.microbatches, cfg.layers
-    bubble, in_flight, blocks = 0.0, 1, layers
+    pp, m = cand.size("pp"), cand.microbatches
+    bubble, in_flight, blocks = 0.0, 1, busiest_blocks(cfg, cand)
     if cand.pipelined:
         facts = pipeline_facts(cand.schedule, pp, m, cand.virtual_stages)
         if facts is None:
             return None
         bubble, in_flight = facts
-        blocks = stage_blocks(layers, pp, pp * (cand.virtual_stages or _stages_per_rank(cand.schedule)))
     reps = blocks / period  # periods of blocks on the busiest rank
     prof = profiles[(compute, bool(cand.remat))]
     data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
     local_rows = rows / data
     t, c = cand.size("tp"), cand.size("cp")
     sp = "sp" in layout.presets
+    state = _cached_state(model, cfg, cand.layout, stage, cand.precision, blocks, period, optimizer)
     comm = _Comm()
-    state = _state(leaves, reps, compute, reduce, model_state.optimizer_factor(optimizer), layout)
-    _param_comm(comm, leaves, reps, sizes, compute, reduce, m if not cand.pipelined else 1, layout)
+    comm.rows = {k: list(v) for k, v in _param_rows(model, cfg, cand.layout, cand.mesh, cand.precision, blocks,
+                                                     period, m if not cand.pipelined else 1).items()}
     width = (compute or torch.float32).itemsize
     _activation_comm(comm, cfg, cand, local_rows / m, blocks, width, sp, layout)
     # compute: the profile's per-row numbers, this rank's rows, split over tp (and cp's sequence)
@@ -140,23 +140,79 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
                       per_microbatch if cand.pipelined else 0.0)
 
 
+def busiest_blocks(cfg: Any, cand: Candidate) -> int:
+    """The most blocks one rank runs: all of them without ``pp``, else its stages' (:func:`stage_blocks`)."""
+    if not cand.pipelined:
+        return cfg.layers
+    pp = cand.size("pp")
+    return stage_blocks(cfg.layers, pp, pp * (cand.virtual_stages or _stages_per_rank(cand.schedule)))
+
+
+@functools.lru_cache(maxsize=65536)
+def model_state_memory(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], precision: str,
+                       blocks: int, period: int, optimizer: Any) -> dict[str, float]:
+    """Device bytes per rank of the model state (params, compute copy, grads, optimizer state) of a layout on a mesh
+    with ``blocks`` blocks on the busiest rank: exact (per-leaf specs), the same numbers :func:`estimate` reports,
+    without the rest of it. Shared by every candidate with the same signature (microbatches, schedule and remat
+    do not change it), so the search drops what cannot fit before estimating anything else."""
+    stage = tuple((a, n) for a, n in mesh if a != "pp") or (("dp", 1),)
+    state = _cached_state(model, cfg, layout, stage, precision, blocks, period, optimizer)
+    host = layout_of(layout).host
+    return {r: (0.0 if r in host else state[r]) for r in ("params", "compute", "grads", "opt_state")}
+
+
+@functools.lru_cache(maxsize=65536)
+def _cached_state(model: Any, cfg: Any, layout: str, stage: tuple[tuple[str, int], ...], precision: str, blocks: int,
+                  period: int, optimizer: Any) -> dict[str, float]:
+    compute, reduce = DTYPES[precision]
+    leaves = model_state.leaves(model, cfg, layout, stage, period)
+    return _state(leaves, blocks / period, compute, reduce, model_state.optimizer_factor(optimizer))
+
+
+@functools.lru_cache(maxsize=65536)
+def _param_rows(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], precision: str, blocks: int,
+                period: int, gathers_per_step: int) -> dict[tuple[str, str], tuple[float, float]]:
+    """The parameter collectives' rows (:func:`_param_comm`), one per signature: microbatches only count under
+    ZeRO-3 (its gathers per step), remat and the schedule not at all."""
+    compute, reduce = DTYPES[precision]
+    stage = tuple((a, n) for a, n in mesh if a != "pp") or (("dp", 1),)
+    comm = _Comm()
+    _param_comm(comm, model_state.leaves(model, cfg, layout, stage, period), blocks / period, dict(mesh), compute,
+                reduce, gathers_per_step, layout_of(layout))
+    return {k: tuple(v) for k, v in comm.rows.items()}
+
+
 def _stages_per_rank(schedule: str) -> int:
     from shardings.pipeline.schedule import stages_per_rank
 
     return stages_per_rank(schedule)
 
 
+def _keeps_master(leaves: model_state.Leaves, compute: torch.dtype | None) -> bool:
+    """The step's ``mixed.keeps_master``, from the leaves: a compute dtype narrower than a floating parameter's and
+    some leaf whose optimizer state is split where its storage is not (ZeRO-1/2's ``regather``)."""
+    every = leaves.edge + leaves.period
+    return (compute is not None and any(leaf.floating and leaf.itemsize != compute.itemsize for leaf in every)
+            and any(leaf.regather for leaf in every))
+
+
+def _stored_width(leaf: model_state.Leaf, compute: torch.dtype | None, master: bool) -> int:
+    """Bytes per element of a leaf's stored params: the compute copy's when the master lives in the state."""
+    return compute.itemsize if master and leaf.floating else leaf.itemsize
+
+
 def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
-           factor: float, layout: layouts.Layout) -> dict[str, float]:
+           factor: float) -> dict[str, float]:
     out = dict.fromkeys(("params", "compute", "grads", "opt_state", "opt_bytes"), 0.0)
+    master = _keeps_master(leaves, compute)  # ZeRO-1/2 + policy: the fp32 master sharded with the state
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
             size = leaf.itemsize
-            out["params"] += k * leaf.numel["params"] * size
-            if compute is not None and leaf.floating:
+            out["params"] += k * leaf.numel["params"] * _stored_width(leaf, compute, master)
+            if compute is not None and leaf.floating and not master:
                 out["compute"] += k * leaf.numel["params"] * compute.itemsize
             out["grads"] += k * leaf.numel["held"] * (reduce.itemsize if reduce and leaf.floating else size)
-            out["opt_state"] += k * leaf.numel["opt_state"] * size * factor
+            out["opt_state"] += k * leaf.numel["opt_state"] * size * (factor + (master and leaf.floating))
             out["opt_bytes"] += k * leaf.numel["opt_state"] * size
     return out
 
@@ -164,9 +220,11 @@ def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None,
 def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dict[str, int],
                 compute: torch.dtype | None, reduce: torch.dtype | None, gathers_per_step: int,
                 layout: layouts.Layout) -> None:
+    master = _keeps_master(leaves, compute)
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
             width = compute.itemsize if compute and leaf.floating else leaf.itemsize
+            stored = leaf.numel["params"] * _stored_width(leaf, compute, master)
             grad = (reduce.itemsize if reduce and leaf.floating else leaf.itemsize) * leaf.numel["compute"]
             full = leaf.numel["compute"] * width
             times = gathers_per_step * (2 if leaf.in_blocks else 1)
@@ -178,15 +236,14 @@ def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dic
                 shard /= sizes[a]
             for a in leaf.reduce:
                 comm.add("all_reduce", a, k * shard, k * shard / _BUCKET, sizes[a])
-            for a in leaf.regather:
-                stored = leaf.numel["params"] * leaf.itemsize
+            for a in leaf.regather:  # updated shards gathered back in their stored dtype
                 comm.add("all_gather", a, k * stored, k * stored / _BUCKET, sizes[a])
-            if "opt_state" in layout.host:
+            if "opt_state" in layout.host:  # gradient (and param, unless the master is there) blocks, both ways
                 moved = leaf.numel["opt_state"] * leaf.itemsize
-                comm.add("d2h", "host", k * (2 * moved), k)
-                comm.add("h2d", "host", k * moved, k)
+                back = leaf.numel["opt_state"] * _stored_width(leaf, compute, master)
+                comm.add("d2h", "host", k * (moved if master else 2 * moved), k)
+                comm.add("h2d", "host", k * back, k)
             if "params" in layout.host:
-                stored = leaf.numel["params"] * leaf.itemsize
                 comm.add("h2d", "host", k * stored, k)
                 comm.add("d2h", "host", k * stored, k)
 

@@ -212,6 +212,7 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
                               microbatches=microbatches, scalar_metrics=False, count_comms=False, donate=True,
                               **(pipeline if layout.pipelined else {}))
             state = step.init(params)
+            params = step.stored(params)  # as steps after the first see them (zero1/2 + policy: the compute copy)
             counter = OpCounter()
             with peak_memory(roots=(params, state, batch)) as peak, counter, comms() as sent:
                 _, _, metrics = step(params, state, batch)

@@ -22,11 +22,12 @@ import core
 from core import deferred, tree
 from shardings.pipeline.stages import block_index
 from shardings.planner.candidates import layout_of
+from shardings.spec import layouts
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import logical_to_spec
 from shardings.step.initialize import param_specs
 
-__all__ = ["Leaf", "Leaves", "leaves", "optimizer_factor"]
+__all__ = ["Leaf", "Leaves", "leaves", "on_device", "optimizer_factor"]
 
 _ROLES = ("params", "compute", "grads", "opt_state")
 
@@ -75,16 +76,33 @@ def _axes(spec: P) -> set[str]:
     return set(spec.axes)
 
 
-@functools.lru_cache(maxsize=4096)
 def leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...], period: int) -> Leaves:
     """Per-role elements and transitions of every leaf, for ``cfg`` with ``period`` blocks, under ``layout`` on
-    the mesh ``sizes`` (a pipelined layout's stage mesh: ``pp`` left out)."""
+    the mesh ``sizes`` (a pipelined layout's stage mesh: ``pp`` left out).
+
+    Cached by signature: the offload presets move roles to the host without changing any spec, so a layout and
+    its offloaded variants share one entry (:func:`on_device`)."""
+    return _leaves(model, cfg, on_device(layout), sizes, period)
+
+
+@functools.lru_cache(maxsize=4096)
+def on_device(layout: str) -> str:
+    """``layout`` without its offload presets (those that only set ``Layout.host``): the same specs per role."""
+    kept = [p for p in layout_of(layout).presets if not layouts.preset(p).layout.host]
+    return "+".join(kept) if kept else layout
+
+
+@functools.lru_cache(maxsize=64)
+def _recipes(model: Any, small: Any) -> tuple[Any, Any]:
+    with deferred.deferred():  # shapes and dtypes only: nothing is drawn
+        return model.init(core.random.key(0), small), model.axes(small)
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...], period: int) -> Leaves:
     layout_ = layout_of(layout)
     mesh = Mesh(dict(sizes))
-    small = dataclasses.replace(cfg, layers=period)
-    with deferred.deferred():
-        recipes = model.init(core.random.key(0), small)
-    axes = model.axes(small)
+    recipes, axes = _recipes(model, dataclasses.replace(cfg, layers=period))
     specs = {r: tree.leaves(param_specs(axes, recipes, layout_, mesh, role=r), is_leaf=lambda s: isinstance(s, P))
              for r in _ROLES}
     batch = logical_to_spec(("batch", "seq"), layout_.role("batch"), mesh)

@@ -10,7 +10,7 @@ from shardings.planner.cluster import Cluster
 from shardings.planner.cost import Timing, step_time
 from shardings.planner.prediction import MEMORY_ROLES, Prediction
 
-__all__ = ["Fit", "Ranking", "Row", "describe_drop", "gb"]
+__all__ = ["Fit", "Ranking", "Row", "describe_drop", "describe_state_drop", "gb"]
 
 
 def gb(n: float) -> str:
@@ -178,6 +178,12 @@ class Ranking:
             mine, theirs = float(row.prediction.comm_bytes()), float(best.prediction.comm_bytes())
             why += f" ({mine / theirs:.2g}× the comm bytes)" if theirs else f" ({gb(mine)} sent, the winner none)"
         return f"  vs the winner ({best.candidate}): {ratio:.2f}× its step; mostly {why}"
+
+
+def describe_state_drop(state: dict[str, float], cluster: Cluster) -> str:
+    """Why a model state alone does not fit: ``"does not fit: 89.4 GB > 80 GB of model state alone (params ...)"``."""
+    parts = ", ".join(f"{r} {gb(b)}" for r, b in sorted(state.items(), key=lambda kv: -kv[1])[:3] if b)
+    return f"does not fit: {gb(sum(state.values()))} > {gb(cluster.memory)} of model state alone ({parts})"
 
 
 def describe_drop(pred: Prediction, cluster: Cluster) -> str:

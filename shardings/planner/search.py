@@ -1,13 +1,15 @@
 """``shardings.plan``: enumerate, estimate every candidate, run the promising ones on fake tensors, rank.
 
 1. Candidates from the registries (:mod:`shardings.planner.candidates`).
-2. Every candidate estimated (:mod:`shardings.planner.estimate`, microseconds each; model state exact), timed
-   on the cluster (:mod:`shardings.planner.cost`), and dropped when its model state alone, or its estimated
-   peak by more than ``slack``, exceeds a rank's memory.
+2. Every candidate's exact model state (one per signature: layout, mesh, precision and blocks per rank), and
+   those that cannot hold it dropped at once; the rest estimated (:mod:`shardings.planner.estimate`,
+   microseconds each), timed on the cluster (:mod:`shardings.planner.cost`), and dropped when their estimated
+   peak exceeds a rank's memory by more than ``slack``.
 3. The fastest estimates are run exactly (:mod:`shardings.planner.exact`: fake steps at two depths), best first,
    until ``top_k`` exact candidates fit and no estimate left is faster than the ``top_k``-th exact one, or
-   ``budget_s`` is spent. An exact candidate that does not fit is dropped with its numbers, and so is an
-   estimate over the memory. An estimate that the exact runs so far say will not fit (its peak times their
+   ``budget_s`` would be spent before another exact prediction as long as the longest so far ends. An exact
+   candidate that does not fit is dropped with its numbers, and so is an estimate over the memory. An estimate
+   that the exact runs so far say will not fit (its peak times their
    median ratio of exact to estimated peak) is not run; it stays in the table, marked as an estimate. The
    estimates leave things out (the step's own ops and copies): each is scaled by the median ratio of exact to
    estimated time seen so far, so the exact and the estimated rows rank on one scale.
@@ -25,7 +27,7 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import step_time
 from shardings.planner.model_profile import block_period, profile
-from shardings.planner.ranking import Ranking, Row, describe_drop
+from shardings.planner.ranking import Ranking, Row, describe_drop, describe_state_drop
 from shardings.spec.errors import ShardingError
 
 __all__ = ["plan"]
@@ -47,7 +49,8 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
         optimizer: the optimizer (default ``core.optim.adamw``).
         space: what to search besides layouts and meshes (:class:`~shardings.planner.Space`; default ``Space()``).
         top_k: how many candidates to predict exactly (fake steps), fastest estimates first.
-        budget_s: stop running exact predictions after this many seconds (counted after the estimates).
+        budget_s: seconds of exact predictions at most (counted after the estimates): none starts that would end
+            past it if it took as long as the longest so far.
         slack: drop a candidate whose *estimated* peak exceeds memory by more than this factor (model state
             alone: any excess).
         candidates: search these instead of enumerating (e.g. one layout to check).
@@ -76,7 +79,12 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     dropped: dict[Candidate, str] = {}
     estimated: list[Row] = []
     for cand in candidates:
-        try:
+        try:  # exact model state first, one per signature: what cannot hold it is dropped before anything else
+            state = estimates.model_state_memory(model, cfg, cand.layout, cand.mesh, cand.precision,
+                                                 estimates.busiest_blocks(cfg, cand), period, optimizer)
+            if sum(state.values()) > cluster.memory:
+                dropped[cand] = describe_state_drop(state, cluster)
+                continue
             pred = estimates.estimate(model, cfg, rows, cand, optimizer, profiles, period)
         except ValueError as e:  # ShardingError too: the layout cannot split this model (heads over tp, ...)
             dropped[cand] = f"cannot run: {str(e).splitlines()[0]}"
@@ -101,19 +109,23 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     exact: list[Row] = []
     ratios: list[float] = []  # exact / estimated step time of each candidate run exactly
     peaks: list[float] = []  # and peak memory
-    exact_start = time.perf_counter()
+    exact_start, longest = time.perf_counter(), 0.0  # the longest exact prediction so far: the next may take as long
     for row in estimated:
         scale = _median(ratios)
         kth = sorted(r.timing.total for r in exact)[top_k - 1] if len(exact) >= top_k else None
-        if (kth is not None and row.timing.total * scale >= kth) or time.perf_counter() - exact_start > budget_s:
+        if (kth is not None and row.timing.total * scale >= kth) or \
+                time.perf_counter() - exact_start + longest > budget_s:
             break
         if row.prediction.peak * _median(peaks) > cluster.memory:  # the exact runs so far say it will not fit
             continue
+        started = time.perf_counter()
         try:
             pred = predict(row.candidate)
         except (ShardingError, ValueError, RuntimeError) as e:
             dropped[row.candidate] = f"the step refuses it: {str(e).splitlines()[0]}"
             continue
+        finally:
+            longest = max(longest, time.perf_counter() - started)
         timed = Row(pred, step_time(pred, cluster))
         ratios.append(timed.timing.total / row.timing.total)
         peaks.append(pred.peak / row.prediction.peak)

@@ -259,7 +259,8 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
 
 
 def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_state: Any, grads: Sequence[Any],
-                  donate: bool = False, offload: bool = False) -> tuple[list[torch.Tensor], Any]:
+                  donate: bool = False, offload: bool = False,
+                  blocks_on_host: bool = False) -> tuple[list[torch.Tensor], Any]:
     """An elementwise optimizer's update on each rank's blocks; returns ``(new blocks, new state)``.
 
     ``blocks`` are the local blocks of the parameters in the optimizer-state layout; ``grads`` and
@@ -269,7 +270,9 @@ def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_
     op); no DTensor dispatch either way. New state leaves are placed like the old ones.
 
     ``offload``: ``opt_state`` lives in host memory; the blocks and gradients are copied there, updated there,
-    and the new blocks copied back (:mod:`shardings.residency.offload`).
+    and the new blocks copied back (:mod:`shardings.residency.offload`). ``blocks_on_host``: the blocks are the
+    master weights, which live on the host with the state (``mixed.Master``): only the gradients travel, and the
+    new blocks stay there.
 
     >>> blocks, state = update_blocks(adamw, treedef, [p.to_local() for p in leaves], state, grads)  # doctest: +SKIP
     """
@@ -279,11 +282,12 @@ def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_
     local_grads, local_state = tree.unflatten(treedef, [unwrap(g) for g in grads]), tree.map(unwrap, opt_state)
     device = blocks[0].device if blocks else None
     if offload:  # the update runs where the state lives: on the host
-        blocks, local_grads = [host.to_host(b) for b in blocks], host.to_host(local_grads)
+        blocks = blocks if blocks_on_host else [host.to_host(b) for b in blocks]
+        local_grads = host.to_host(local_grads)
     fused_step = getattr(optimizer, "fused_step", None)
     if fused_step is not None and fusable(blocks, local_state, local_grads):
-        if not donate:
-            blocks = blocks if offload else [x.clone() for x in blocks]  # offloaded: already fresh host copies
+        if not donate:  # offloaded: already fresh host copies (but the master's own blocks are not)
+            blocks = blocks if offload and not blocks_on_host else [x.clone() for x in blocks]
             local_state = tree.map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, local_state)
         new, new_state = fused_step(local_grads, local_state, tree.unflatten(treedef, blocks))
     else:
@@ -294,24 +298,37 @@ def update_blocks(optimizer: Any, treedef: Any, blocks: list[torch.Tensor], opt_
         return fc.dtensor(x, like.device_mesh, like.placements, like) if isinstance(like, DTensor) else x
 
     new = tree.leaves(new)
-    if offload:
+    if offload and not blocks_on_host:
         new = [host.to_device(x, device) for x in new]
     return new, tree.map(wrap, new_state, opt_state)
 
 
 def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Sequence[DTensor], opt_state: Any,
           grads: Sequence[DTensor], targets: Sequence[Any], storage: Sequence[Any],
-          donate: bool = False, offload: bool = False) -> tuple[list[DTensor], Any]:
+          donate: bool = False, offload: bool = False,
+          master: Cast | None = None) -> tuple[list[DTensor], list[DTensor] | None, Any]:
     """One update of an elementwise optimizer on local shards (:func:`update_blocks`); returns
-    ``(params in storage layout, state)``. Parameters stored replicated whose state is sharded
-    (ZeRO-1/2) are all-gathered back in buckets, one collective per bucket.
+    ``(params in storage layout, master weights or None, state)``. Parameters stored replicated whose state is
+    sharded (ZeRO-1/2) are all-gathered back in buckets, one collective per bucket.
 
-    >>> params, state = apply(lp, mesh, adamw, treedef, leaves, state, grads, targets, storage)  # doctest: +SKIP
+    ``master``: ``params`` are the master weights (``mixed.Master``, already in the ``targets`` layout): the
+    update runs on their blocks, which are returned updated, and the new stored params are those blocks cast to
+    ``master.compute`` before the all-gather (it moves compute-dtype bytes).
+
+    >>> params, _, state = apply(lp, mesh, adamw, treedef, leaves, state, grads, targets, storage)  # doctest: +SKIP
     """
     dm = mesh.device_mesh
-    p_opt = [p.to_local() if lp.stored[i] is not None or lp.target[i] is None
+    p_opt = [p.to_local() if master is not None or lp.stored[i] is not None or lp.target[i] is None
              else p.redistribute(dm, targets[i]).to_local() for i, p in enumerate(params)]  # a local chunk, no comm
-    new, new_state = update_blocks(optimizer, treedef, p_opt, opt_state, grads, donate, offload)
+    device = p_opt[0].device if p_opt else None
+    new, new_state = update_blocks(optimizer, treedef, p_opt, opt_state, grads, donate, offload,
+                                   blocks_on_host=master is not None)
+    weights = None
+    if master is not None:
+        weights = [fc.dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, targets)]
+        new = [master.to_compute(x) for x in new]
+        if offload:  # the master stays on the host; the compute copy goes to the device
+            new = [host.to_device(x, device) for x in new]
     regather = [i for i in range(len(new)) if lp.stored[i] is None and lp.target[i] is not None]
     comm = fc.Comm(dm, lp.data_dims)
     for b in fc.buckets(regather, new, lambda i: (lp.target[i][0], new[i].dtype), DEFAULT_GATHER_MB):
@@ -320,8 +337,8 @@ def apply(lp: LocalPlan, mesh: Mesh, optimizer: Any, treedef: Any, params: Seque
         new_b = fc.assemble(comm, fc.launch_gather(comm, shards, at[0]), shards, at)
         for i, x in zip(b, new_b):
             new[i] = x
-    out = [fc.dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, storage)]
-    return out, new_state
+    out = [fc.dtensor(x, dm, pl, p) for x, p, pl in zip(new, params, storage)]  # the dtype is the block's
+    return out, weights, new_state
 
 
 def global_norm(mesh: Mesh, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:

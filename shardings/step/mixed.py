@@ -2,6 +2,11 @@
 
 - **Storage and update** in ``param_dtype`` (the fp32 master weights); the optimizer sees ``param_dtype``
   gradients and parameters.
+- **Master weights with the optimizer state** (ZeRO-1/2, as the ZeRO paper and DeepSpeed): where the optimizer
+  state is split over ranks that store the params whole, and the compute dtype is narrower than the params',
+  the fp32 master becomes part of the optimizer state (:class:`Master`, sharded with Adam's moments) and the
+  stored params are the compute-dtype copy: zero1 holds 4P+12P/N, zero2 2P+14P/N. The update runs on the
+  master shard; the all-gather after it moves compute-dtype bytes (:func:`keeps_master` decides, once per plan).
 - **Compute**: each rank casts its *own blocks* to ``compute_dtype`` before anything is gathered, so a
   ZeRO-3 all-gather moves compute-dtype bytes (half of fp32's in bf16), as FSDP2's ``param_dtype``.
 - **Reduction and accumulation** in ``reduce_dtype``: a gradient leaves backward in compute dtype, is cast to
@@ -27,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from shardings.comm import flat_comm as fc
 from shardings.runtime.compat import funcol
 
-__all__ = ["Cast", "Scaled", "finite", "unscale"]
+__all__ = ["Cast", "Master", "Scaled", "finite", "keeps_master", "unscale"]
 
 
 class Scaled(NamedTuple):
@@ -35,6 +40,25 @@ class Scaled(NamedTuple):
 
     loss_scale: Any  # core.precision.LossScaleState
     opt: Any
+
+
+class Master(NamedTuple):
+    """The train step's optimizer state when it keeps the master weights (:func:`keeps_master`): the master
+    weights in ``param_dtype``, laid out like the optimizer state, and the optimizer's own state."""
+
+    weights: Any  # the params' tree: fp32 master, in the opt_state placements
+    opt: Any
+
+
+def keeps_master(cast: Cast, params: Sequence[torch.Tensor], placements: dict[str, list], mesh: Any) -> bool:
+    """Whether the optimizer state holds the master weights (ZeRO-1/2 under a policy, module docstring): a compute
+    dtype other than some floating parameter's, and the optimizer state split over a mesh axis (of size > 1)
+    where the stored params are not."""
+    if cast.compute is None or not any(p.is_floating_point() and p.dtype != cast.compute for p in params):
+        return False
+    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
+    return any(o != s and n > 1 for opt, st in zip(placements["opt_state"], placements["params"])
+               for o, s, n in zip(opt, st, sizes))
 
 
 class Cast(NamedTuple):

@@ -18,6 +18,10 @@ One step, for a layout and a mesh:
 3. The update is shared (:mod:`shardings.step.update`): clipping to the global norm, the optimizer in the
    ``opt_state`` layout on the leaves this process holds (:mod:`shardings.step.ownership`), new parameters back
    to storage (an all-gather of the updated shards for ZeRO-1/2); under fp16 a step with an inf is skipped.
+   Under ZeRO-1/2 with a policy that computes in a narrower dtype than the params', the fp32 master weights are
+   part of the optimizer state (``mixed.Master``, sharded with it) and the stored ``params`` are their
+   compute-dtype copy (ZeRO's 4P+12P/N and 2P+14P/N): the update runs on the master shard, the all-gather moves
+   compute-dtype bytes (:meth:`TrainStep.master_weights`, :meth:`TrainStep.stored`).
 
 The loss is the mean over the global batch's tokens, under any data-parallel or accumulation split:
 each microbatch's mean is weighted by its share of the step's tokens.
@@ -73,6 +77,7 @@ class ParamPlan(NamedTuple):
     local: local_step.LocalPlan | None  # set when the layout runs its loss on local tensors
     units: list[tuple]  # per leaf, its ZeRO-3 gather unit (flat_comm.unit_of: one block)
     ownership: ownership.Ownership  # the leaves this process holds and updates
+    master: bool = False  # the optimizer state holds the master weights (mixed.keeps_master: ZeRO-1/2 + policy)
 
 
 class TrainStep:
@@ -138,7 +143,8 @@ class TrainStep:
             local = self.local and local_step.plan(placements, tree.leaves(params), self.layout, self.mesh,
                                                    self.bucket_mb, units)
             held = ownership.ownership(self.pipeline, params, self.full_mesh)
-            self._plan = ParamPlan(specs, placements, tree.structure(params), local or None, units, held)
+            master = mixed.keeps_master(self.cast, tree.leaves(params), placements, self.mesh)
+            self._plan = ParamPlan(specs, placements, tree.structure(params), local or None, units, held, master)
         return self._plan
 
     @property
@@ -167,16 +173,40 @@ class TrainStep:
     # -- public API -------------------------------------------------------------------------------
     def init(self, params: Any) -> Any:
         """The optimizer state, sharded by the layout's ``opt_state`` rules; with a loss scale (fp16),
-        ``mixed.Scaled(loss_scale, opt)``."""
+        ``mixed.Scaled(loss_scale, opt)``.
+
+        Under ZeRO-1/2 with a policy whose compute dtype is narrower than the params' (``ParamPlan.master``), the
+        state is ``mixed.Master(weights, opt)``: a copy of ``params`` in the ``opt_state`` layout is the master
+        weights, and the step's params are from then on their compute-dtype copy (:meth:`stored`).
+        """
         plan = self.plan(params)
         ownership.require_held(params, plan.ownership, self.full_mesh)
         with torch.no_grad():
             placed = [x.redistribute(x.device_mesh, pl) for x, pl in
                       zip(tree.leaves(params), plan.placements["opt_state"])]
             state = self.optimizer.init(tree.unflatten(plan.treedef, placed))
+            if plan.master:  # copies: the params' storage is not kept alive by a view, nor written by a donation
+                state = mixed.Master(tree.unflatten(plan.treedef, [x.clone() for x in placed]), state)
         if self.offload_opt:
             state = offload.to_host(state)
         return mixed.Scaled(self.scaler.init(), state) if self.scaler is not None else state
+
+    def stored(self, params: Any) -> Any:
+        """``params`` as the step stores them between steps: their compute-dtype copy under ``ParamPlan.master``
+        (ZeRO-1/2 with a policy: the fp32 master lives in the optimizer state), else ``params`` themselves.
+
+        ``step(params, ...)`` accepts either; a checkpoint's ``like`` must hold what the step returns.
+        """
+        if not self.plan(params).master:
+            return params
+        return tree.map(lambda x: x if ownership.is_absent(x) else self.cast.to_compute(x), params)
+
+    def master_weights(self, params: Any, opt_state: Any) -> Any:
+        """The weights the optimizer updates: the fp32 master (in the ``opt_state`` layout) under
+        ``ParamPlan.master``, else ``params``. What the single-device reference's params are compared with."""
+        plan = self.plan(params)
+        w = update.weights(plan, params, opt_state.opt if self.scaler is not None else opt_state)
+        return offload.to_device(w, self.mesh.device_mesh.device_type) if plan.master and self.offload_opt else w
 
     def loss_scale(self, opt_state: Any) -> torch.Tensor | None:
         """The loss scale ``opt_state`` carries (``None`` without one): pass it to :meth:`grads`."""
@@ -221,8 +251,9 @@ class TrainStep:
         """
         # a reduce dtype narrower than the params': clipping and the optimizer run in fp32 on the fp32 master
         # weights (one transient fp32 copy of the rank's gradients)
-        grads = tree.map(lambda g, p: g.to(p.dtype) if g.dtype != p.dtype else g, grads, params)
         plan = self.plan(params)
+        master = update.weights(plan, params, opt_state.opt if self.scaler is not None else opt_state)
+        grads = tree.map(lambda g, p: g.to(p.dtype) if g.dtype != p.dtype else g, grads, master)
         if self.scaler is None:
             return update.update(self, plan, params, opt_state, grads)
         ok = mixed.finite(self.mesh, tree.leaves(grads))
@@ -234,6 +265,9 @@ class TrainStep:
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """``(params, opt_state, metrics)`` after one step on ``batch``.
+
+        ``params``: in storage layout; under ZeRO-1/2 with a narrower compute dtype, the compute-dtype copy of the
+        master weights, which live in ``opt_state`` (:meth:`master_weights`).
 
         ``metrics``: ``loss``, ``grad_norm``, ``tokens``, ``comm`` and ``comm_bytes`` (the step's collectives),
         ``memory`` (bytes per rank by role; a pipeline stage's: what this rank holds) and, with a pipelined
@@ -342,7 +376,9 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         axes: the params' logical names; optional for params made by ``shardings.init``.
         accum_steps: microbatches per step (grads reduced once when the grads role allows).
         clip_norm: clip gradients to this global norm (computed across all shards and axes).
-        precision: a ``core.precision.Policy``; params are cast to its compute dtype for the loss.
+        precision: a ``core.precision.Policy``; params are cast to its compute dtype for the loss. Under ZeRO-1/2
+            with a compute dtype narrower than the params', the optimizer state keeps the fp32 master weights
+            sharded with it, and the step returns the params as their replicated compute-dtype copy.
         token_count: ``batch -> tokens`` used to weight microbatches (labels ≠ -100 by default).
         bucket_mb: gradients all-reduced after backward are packed into flat buckets of this many MB,
             one collective per bucket (``shardings.comm.buckets``); ``None`` or ``0``: one per gradient.

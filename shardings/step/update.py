@@ -9,6 +9,10 @@ and puts the new parameters back in storage layout:
   path ``local_step.apply`` also re-gathers ZeRO-1/2's updated shards in buckets;
 - any other runs its pure update on the DTensors.
 
+Under a policy whose compute dtype is narrower than the params' and a layout whose optimizer state is split where
+the stored params are not (ZeRO-1/2), the optimizer state carries the fp32 master weights (``mixed.Master``): the
+update runs on the master shard, and the stored params are its compute-dtype copy, gathered in compute dtype.
+
 The :class:`~shardings.step.ownership.Ownership` of the step's plan says which leaves take part: all of them,
 except for pipeline stages on real ranks, where a rank updates its own blocks and the parameters outside the
 blocks (the other leaves, absent there, come back as they were), and where the global norm adds up each stage's
@@ -25,13 +29,14 @@ import torch
 import core
 from core import tree
 from shardings.comm import flat_comm
-from shardings.step import local_step, ownership
+from shardings.residency import offload
+from shardings.step import local_step, mixed, ownership
 from shardings.step.ownership import Ownership, is_absent
 
 if TYPE_CHECKING:
     from shardings.step.train_step import ParamPlan, TrainStep
 
-__all__ = ["grad_norm", "merge", "select", "update"]
+__all__ = ["grad_norm", "merge", "select", "update", "weights"]
 
 
 def _placed(leaves: Sequence[Any], placements: Sequence[Any]) -> list[Any]:
@@ -56,36 +61,73 @@ def _clipped(step: TrainStep, own: Ownership, grads: Any, clip_state: Any) -> An
 
 
 def update(step: TrainStep, plan: ParamPlan, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-    """The optimizer's update (``TrainStep.apply`` without the loss scale's skip); grads in the params' dtype.
+    """The optimizer's update (``TrainStep.apply`` without the loss scale's skip); grads in the dtype of
+    :func:`weights` (the params', or the master weights' under ``plan.master``).
+
+    Under ``plan.master`` (``mixed.Master``: ZeRO-1/2 with a policy) the update runs on the master weights in the
+    ``opt_state`` layout and the new params are the updated master cast to compute dtype, then put back in storage
+    layout (the all-gather moves compute-dtype bytes).
 
     Returns:
         ``(params, opt_state)``: params in storage layout.
     """
+    master = plan.master
+    weights_tree, opt_state = (opt_state.weights, opt_state.opt) if master else (params, opt_state)
     clip_state, state = (opt_state[0], opt_state[1]) if step.clip is not None else (None, opt_state)
-    own, leaves = plan.ownership, tree.leaves(params)
+    own, leaves = plan.ownership, tree.leaves(weights_tree)
     opt_pl, storage = plan.placements["opt_state"], plan.placements["params"]
     elementwise = getattr(step.inner, "elementwise", False)
+    cast = step.cast if master else None
+    after = opt_pl if master else storage  # where the updated weights go first
+    new_weights = None
     with torch.no_grad():
         if step.clip is not None:
             grads = _clipped(step, own, grads, clip_state)
         g = tree.leaves(grads)
         if not own.whole:  # pipeline stages on real ranks: this rank's leaves only
             new, state = _update_held(step.inner, plan.treedef, leaves, g, state, own.held(len(leaves)), opt_pl,
-                                      storage, step.donate)
+                                      after, step.donate)
         elif not elementwise:
             p_opt = tree.unflatten(plan.treedef, _placed(leaves, opt_pl))
             updates, state = step.inner.update(grads, state, p_opt)
-            new = _placed(tree.leaves(core.optim.apply_updates(p_opt, updates)), storage)
+            new = _placed(tree.leaves(core.optim.apply_updates(p_opt, updates)), after)
         elif plan.local is not None:
-            new, state = local_step.apply(plan.local, step.mesh, step.inner, plan.treedef, leaves, state, g, opt_pl,
-                                          storage, donate=step.donate, offload=step.offload_opt)
+            new, new_weights, state = local_step.apply(plan.local, step.mesh, step.inner, plan.treedef, leaves, state,
+                                                       g, opt_pl, storage, donate=step.donate,
+                                                       offload=step.offload_opt, master=cast)
         else:
             p_opt = _placed(leaves, opt_pl)
             blocks, state = local_step.update_blocks(step.inner, plan.treedef, [p.to_local() for p in p_opt], state,
-                                                     g, step.donate, step.offload_opt)
+                                                     g, step.donate, step.offload_opt, blocks_on_host=master)
             dm = step.mesh.device_mesh
-            new = _placed([flat_comm.dtensor(x, dm, pl, p) for x, p, pl in zip(blocks, p_opt, opt_pl)], storage)
-    return tree.unflatten(plan.treedef, new), ((clip_state, state) if step.clip is not None else state)
+            new = _placed([flat_comm.dtensor(x, dm, pl, p) for x, p, pl in zip(blocks, p_opt, opt_pl)], after)
+        if master and new_weights is None:  # the compute copy of each updated master leaf, in storage layout
+            new_weights, new = new, _stored(step, tree.leaves(params), new, storage)
+    state = (clip_state, state) if step.clip is not None else state
+    if master:
+        state = mixed.Master(tree.unflatten(plan.treedef, new_weights), state)
+    return tree.unflatten(plan.treedef, new), state
+
+
+def weights(plan: ParamPlan, params: Any, opt_state: Any) -> Any:
+    """The weights the optimizer updates: the master weights (in the ``opt_state`` layout) under ``plan.master``,
+    else ``params``. ``opt_state`` without its loss scale (``mixed.Scaled.opt``)."""
+    return opt_state.weights if plan.master else params
+
+
+def _stored(step: TrainStep, old: Sequence[Any], new_master: Sequence[Any], storage: Sequence[Any]) -> list[Any]:
+    """Updated master leaves as stored params: cast to compute dtype on each rank's blocks, then placed in storage
+    (the gather moves compute-dtype bytes); a leaf this rank does not hold (another stage's) stays as it was."""
+    out = []
+    for p, w, pl in zip(old, new_master, storage):
+        if is_absent(w):
+            out.append(p)
+            continue
+        w = step.cast.to_compute(w)
+        if step.offload_opt:  # the master lives on the host with the state: its compute copy comes back
+            w = offload.to_device(w, step.mesh.device_mesh.device_type)
+        out.append(w.redistribute(w.device_mesh, pl))
+    return out
 
 
 def _shaped_like(treedef: Any) -> Callable[[Any], bool]:

@@ -45,7 +45,8 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
         loss, grads, _ = step.grads(params, batch) if scale is None else step.grads(params, batch, scale)
         params, state = step.apply(params, state, grads)
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        out.append(_rank_values({"loss": loss, "grads": gather(sync(grads)), "params": gather(sync(params))}))
+        weights = step.master_weights(params, state)  # the fp32 master under ZeRO-1/2 + policy, not its copy
+        out.append(_rank_values({"loss": loss, "grads": gather(sync(grads)), "params": gather(sync(weights))}))
     return out
 
 

@@ -90,3 +90,28 @@ def test_init_from_a_hugging_face_folder_starts_from_its_params(tmp_path):
         run(compose_config("train", [*FAST, *GPT, "model.config.mlp=96", f"model.init_from={hf}"]), str(tmp_path))
     with pytest.raises(ConfigError, match=r"holds a gpt, not models.mlp"):
         run(compose_config("train", [*FAST, "runtime=simulate", f"model.init_from={hf}"]), str(tmp_path))
+
+
+def test_layout_auto_plans_prints_the_table_and_runs_the_winner(tmp_path, monkeypatch, capsys):
+    """``layout=auto``: build (the one place it is resolved) plans the configured model on this machine's cluster,
+    prints the ranked table, and the run trains the winner, whose layout and mesh the run directory records. The
+    search is cut to its estimates here, no fake steps (its ranking is tests/shardings/planner/'s)."""
+    import shardings as sh
+
+    planned = []
+
+    def small_search(*args, **kwargs):
+        planned.append(sh.planner.plan(*args, **{**kwargs, "budget_s": 0.0}))
+        return planned[-1]
+
+    monkeypatch.setattr(sh, "plan", small_search)
+    cfg = compose_config("train", [*GPT[:-3], "layout=auto", "mesh=dp2", "runtime=simulate", "steps=2",
+                                   "progress=false", "data.max_bytes=200000"])
+    summary = run(cfg, str(tmp_path))
+    out = capsys.readouterr().out
+    winner = planned[0].winner.candidate
+    assert len(planned) == 1 and "candidates on this (2 ranks" in out and "winner: layout=" in out
+    assert summary["layout"] == winner.layout and summary["mesh"] == dict(winner.sizes)
+    resolved = OmegaConf.load(tmp_path / "config.yaml")
+    assert resolved.layout == winner.layout and dict(resolved.mesh.sizes) == dict(winner.sizes)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

@@ -156,6 +156,27 @@ def test_simulated_ranks_save_and_load_across_meshes(tmp_path):
     assert_same_values(full_values(single), reference)
 
 
+def test_zero2_under_bf16_saves_the_sharded_fp32_master_and_resumes_where_it_left_off(tmp_path):
+    """ZeRO-2 with bf16 compute keeps the fp32 master in the optimizer state and stores the bf16 copy: a save after
+    one step and a resume from it give the uninterrupted run's second step, bit for bit, master and copy alike."""
+    mesh, policy = Mesh(dp=2), core.precision.Policy.bf16_mixed()
+    with shardings.simulate(2):
+        params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="zero2", mesh=mesh)
+        step_fn = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), OPT, layout="zero2", mesh=mesh,
+                                       precision=policy)
+        like = {"params": step_fn.stored(params), "opt_state": step_fn.init(params)}
+        p1, s1, _ = step_fn(params, step_fn.init(params), BATCHES[0])
+        checkpoint.save(tmp_path, {"params": p1, "opt_state": s1}, step=1)
+        want = full_values({"params": step_fn(p1, s1, BATCHES[1])[:2]})
+        state, _ = checkpoint.load(tmp_path, like)
+        got = full_values({"params": step_fn(state["params"], state["opt_state"], BATCHES[1])[:2]})
+        saved = full_values({"params": p1, "opt_state": s1})
+    assert {x.dtype for k, x in saved.items() if k.startswith("['params']")} == {torch.bfloat16}
+    master = {k: x for k, x in saved.items() if ".weights" in k}
+    assert master and {x.dtype for x in master.values()} == {torch.float32}
+    assert_same_values(got, want)
+
+
 # -- a load onto a 2-D mesh: every rank holds its own block ------------------------------------------------------------
 
 

@@ -86,8 +86,9 @@ def _step_rows(layout, policy, mesh=None):
     return {(r["kind"], r["axis"]): r["bytes"] for r in metrics["comm"]}, metrics["memory"]
 
 
-@pytest.mark.parametrize("layout", ["zero3", "zero3+tp"])
-def test_zero3_gathers_compute_dtype_bytes_and_reduces_in_the_reduce_dtype(layout):
+@pytest.mark.parametrize("layout", ["zero2", "zero3", "zero3+tp"])
+def test_zero_gathers_compute_dtype_bytes_and_reduces_in_the_reduce_dtype(layout):
+    # zero3 casts its blocks before the gather; zero2 updates the fp32 master shard and gathers its bf16 copy
     mesh = Mesh(dp=4) if layout == "zero3" else Mesh(dp=2, tp=2)
     fp32, _ = _step_rows(layout, None, mesh)
     bf16, _ = _step_rows(layout, BF16, mesh)
@@ -101,13 +102,13 @@ def test_zero3_gathers_compute_dtype_bytes_and_reduces_in_the_reduce_dtype(layou
     assert both[scatter] * 2 - loss_own == fp32[scatter]
 
 
-# Bytes per rank of mixed-precision AdamW, P params on N = 4 data ranks, next to ZeRO's 2P + 2P + 12P (docs/layouts.md).
-# Ours keeps the fp32 master as the params' storage: zero1/zero2 hold it whole (4P) where ZeRO shards it with the
-# optimizer (12P/N); zero3 and dp meet ZeRO's numbers (16P/N and 16P).
+# Bytes per rank of mixed-precision AdamW, P params on N = 4 data ranks: ZeRO's 2P + 2P + 12P (docs/layouts.md).
+# zero1/zero2 keep the fp32 master with the optimizer state (sharded: 12P/N with Adam's moments) and store the bf16
+# copy replicated, so no compute copy is made; zero3 and dp keep the fp32 params as the master (16P/N and 16P).
 @pytest.mark.parametrize(("layout", "want"), [
     ("dp", dict(params=4, compute=2, grads=2, opt_state=8)),
-    ("zero1", dict(params=4, compute=2, grads=2, opt_state=8 / 4)),
-    ("zero2", dict(params=4, compute=2, grads=2 / 4, opt_state=8 / 4)),
+    ("zero1", dict(params=2, compute=0, grads=2, opt_state=12 / 4)),
+    ("zero2", dict(params=2, compute=0, grads=2 / 4, opt_state=12 / 4)),
     ("zero3", dict(params=4 / 4, compute=2 / 4, grads=2 / 4, opt_state=8 / 4)),
 ])
 def test_memory_per_zero_stage_with_bf16_params_and_grads(layout, want):
@@ -118,6 +119,31 @@ def test_memory_per_zero_stage_with_bf16_params_and_grads(layout, want):
         assert got == pytest.approx(per_param * p, rel=0.02), role  # tiny leaves (norms) round up per rank
     fp32 = _step_rows(layout, None)[1]
     assert fp32["compute"] == 0 and fp32["grads"] == 2 * memory["grads"]
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2+tp"])
+def test_zero1_2_store_the_bf16_copy_of_the_sharded_fp32_master(layout):
+    """The params a ZeRO-1/2 step returns under bf16 are its fp32 master (sharded in the optimizer state) rounded
+    to bf16, bit for bit; the fp32 twin (compute fp32) keeps no separate master."""
+    mesh = Mesh(dp=2, tp=2)
+    with shardings.simulate(4):
+        params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
+        step = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.adamw(1e-2), layout=layout,
+                                    mesh=mesh, precision=BF16)
+        state = step.init(params)
+        for _ in range(2):
+            params, state, _ = step(params, state, BATCH)
+        master = step.master_weights(params, state)
+        assert all(shardings.spec_of(w) != shardings.spec_of(p)
+                   for w, p in zip(core.tree.leaves(master), core.tree.leaves(params)) if w.ndim == 2)
+        copy, whole = shardings.gather(params), shardings.gather(master)
+        for c, w in zip(core.tree.leaves(copy), core.tree.leaves(whole)):
+            assert c.dtype == torch.bfloat16 and w.dtype == torch.float32
+            assert torch.equal(shardings.unwrap(c), shardings.unwrap(w).to(torch.bfloat16))
+        twin = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.adamw(1e-2), layout=layout,
+                                    mesh=mesh, precision=Policy.fp32())
+        p32 = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
+        assert twin.master_weights(p32, twin.init(p32)) is p32
 
 
 def test_fp16_skips_a_step_with_an_inf_gradient_on_one_rank_and_halves_the_scale():

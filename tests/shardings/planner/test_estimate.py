@@ -1,0 +1,42 @@
+"""The quick estimate's model state is exact: per role, the bytes a rank holds equal a simulated step's
+``metrics["memory"]``, and the parameter collectives its bytes — under ZeRO-2 with bf16, where the fp32 master is
+sharded with the optimizer state and the all-gather after the update moves the bf16 copy."""
+
+import functools
+
+import core
+import models
+import shardings
+from shardings.planner import Candidate
+from shardings.planner import estimate as estimates
+from shardings.planner.model_profile import block_period
+from shardings.planner.search import _profiles
+
+CFG = models.gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=16)
+ROWS = 8
+BATCH = models.gpt.example_batch(CFG, ROWS)  # outside simulate(): one global batch
+
+
+def test_zero2_bf16_model_state_and_gather_bytes_equal_a_simulated_step():
+    cand = Candidate("zero2", (("dp", 4),), 1, None, None, False, "bf16")
+    opt = core.optim.adamw(1e-3)
+    est = estimates.estimate(models.gpt, CFG, ROWS, cand, opt, _profiles(models.gpt, CFG, cand),
+                             block_period(models.gpt, CFG))
+    with shardings.simulate(4):
+        mesh = shardings.Mesh(dp=4)
+        params = shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG), layout="zero2",
+                                mesh=mesh)
+        step = shardings.train_step(functools.partial(models.gpt.loss, cfg=CFG), opt, layout="zero2", mesh=mesh,
+                                    precision=core.precision.Policy.bf16_mixed())
+        state = step.init(params)
+        _, _, metrics = step(step.stored(params), state, BATCH)
+    p = sum(x.numel() for x in core.tree.leaves(models.gpt.init(core.random.key(0), CFG)))
+    memory = metrics["memory"]
+    assert memory["params"] == 2 * p and memory["compute"] == 0  # the bf16 copy is what is stored
+    for role in ("params", "compute", "grads"):
+        assert round(est.memory[role]) == memory[role], role
+    assert round(est.memory["opt_state"]) == memory["opt_state"] - 4  # AdamW's step count, not per parameter
+    sent = {(r["kind"], r["axis"]): r["bytes"] for r in metrics["comm"]}
+    for key in (("all_gather", "dp"), ("reduce_scatter", "dp")):
+        assert round(float(est.simulated[key][1])) == sent[key], key
+    assert sent[("all_gather", "dp")] == 2 * p * 3 // 4  # a ring all-gather of the bf16 copy
