@@ -4,11 +4,12 @@ never stopped.
 The uninterrupted run of a family is made once (:func:`reference`) and shared by all of its drills. A drill
 (:func:`run_drill`) starts the same job with a fault planted and waits for it to fail: from outside, a watcher
 thread SIGKILLs or SIGSTOPs one rank a random delay after the job logged a given step; from inside
-(:mod:`.faults`), a ``checkpoint.save`` hook SIGKILLs a rank or raises a disk error at a commit moment, or one
-step's loss turns NaN. The job's error must name what struck (the rank, or the step and leaf). Then the job is
-restarted in the same folder (``sigkill_resize``: on half the ranks), resumes from its newest checkpoint that
-verifies, and must end with the reference's loss at every step and its final checkpoint's tensors, bitwise (within
-the tolerance rule on another world size). Under fp16 a NaN batch must instead be skipped and counted.
+(:mod:`.faults`), a ``checkpoint.save`` hook SIGKILLs a rank or raises a disk error at a commit moment, one
+step's loss turns NaN, or a rank SIGKILLs itself inside a step (in forward, or in backward). The job's error must
+name what struck (the rank, or the step and leaf). Then the job is restarted in the same folder
+(``sigkill_resize``: on half the ranks), resumes from its newest checkpoint that verifies, and must end with the
+reference's loss at every step and its final checkpoint's tensors, bitwise (within the tolerance rule on another
+world size). Under fp16 a NaN batch must instead be skipped and counted.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class Drill:
     def when(self) -> str:
         if self.fault in IN_SAVE:
             return f"save of step {self.step} ({'files written' if self.fault != 'save_manifest' else 'manifest'})"
-        if self.fault in IN_MODEL:
+        if self.fault == "nan_batch":
             return f"step {self.step}'s batch"
+        if self.fault in IN_MODEL:  # a kill inside the step, in its first microbatch
+            return f"inside step {self.step}, in {self.fault.removeprefix('kill_')}"
         return f"{self.delay_ms} ms after step {self.step} was logged"
 
 

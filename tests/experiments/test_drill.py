@@ -1,5 +1,6 @@
 """``experiments.drill``: the matrix and its table, fp16's loss-scale state across a resume, and a reduced matrix
-of real drills (three launches each: reference, faulted, restart; a save killed on pipeline ranks, a hang).
+of real drills (a reference per family, then two launches each: faulted, restart; a save killed on pipeline ranks, a
+kill inside a pipeline step's backward, a hang).
 
 The full matrix (``make drill``, >= 50 drills) is not run here: it takes many minutes of real processes.
 """
@@ -69,13 +70,19 @@ def test_fp16_skips_a_nan_batch_and_its_loss_scale_survives_a_resume(tmp_path):
             steps[s]["loss"], steps[s]["loss_scale"], steps[s]["skipped_steps"])
 
 
+@pytest.fixture(scope="module")
+def drills_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("drills")  # a family's uninterrupted run is made once, for all its drills here
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("family", "fault", "rank", "step"), [
     ("dp+pp 1f1b", "save_written", 3, 4),  # pipeline ranks each write their own stage: the save killed on one
+    ("dp+pp 1f1b", "kill_backward", 0, 3),  # inside a step: the first stage's backward, just after its recv
     ("dp+ep moe", "sigstop", 2, 2),  # a hang in a wait without deadline: the watchdog names rank 2 and ends it
 ])  # (a NaN batch: tests/shardings/step/test_finite.py and the fp16 test above; a SIGKILL: test_resume.py)
-def test_a_reduced_drill_matrix_loses_nothing(tmp_path, family, fault, rank, step):
+def test_a_reduced_drill_matrix_loses_nothing(drills_root, family, fault, rank, step):
     result = run_drill(Drill(FAMILIES[family], fault, rank, step, delay_ms=random.Random(0).randrange(50)),
-                       tmp_path, "drill")
+                       drills_root, f"{family}_{fault}".replace(" ", "_"))
     assert result.ok, result.row()
     assert result.equal == "bitwise" and result.steps_lost is not None and result.exit_s is not None
