@@ -41,6 +41,7 @@ from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh, NamedSharding, P
 from shardings.spec.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.spec.visualize import visualize
+from shardings.step.compiled import CompileFallbackWarning
 from shardings.step.finite import NonFiniteGradError
 from shardings.step.initialize import init, param_specs
 from shardings.step.layout_view import describe as describe_layout
@@ -48,6 +49,7 @@ from shardings.step.train_step import TrainStep, default_token_count, train_step
 
 __all__ = [
     "Comms",
+    "CompileFallbackWarning",
     "LaunchError",
     "Layout",
     "Mesh",
