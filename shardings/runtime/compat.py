@@ -34,6 +34,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # a compiled graph's call
 
 from shardings.spec.errors import sharding_error
 
@@ -59,6 +60,7 @@ __all__ = [
     "c10d_functional_op",
     "clear_sharding_prop_cache",
     "compute_local_shape_and_global_offset",
+    "disable_current_modes",
     "enabled_local_tensor_mode",
     "expand_to_full_mesh_op_strategy",
     "funcol",

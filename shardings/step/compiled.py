@@ -37,6 +37,7 @@ import torch
 
 from core import tree
 from shardings.pipeline import Stages
+from shardings.runtime.compat import disable_current_modes
 from shardings.runtime.simulate import simulated
 from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.mesh import Mesh
@@ -64,10 +65,22 @@ def compile_loss(loss_fn: Callable, backend: str) -> Callable:
     """
     options = dict(backend=backend, dynamic=False, fullgraph=True)
     if isinstance(loss_fn, Stages):
-        block = torch.compile(loss_fn.block, **options)
+        block = _outside_modes(torch.compile(loss_fn.block, **options))
         return dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))
-    whole = torch.compile(loss_fn, **options)
+    whole = _outside_modes(torch.compile(loss_fn, **options))
     return lambda params, batch: whole(_resolved(params), batch)
+
+
+def _outside_modes(graph: Callable) -> Callable:
+    """``graph`` called with the step's dispatch modes paused (``shardings.comms()``, which ``train_step`` counts
+    by default): dynamo does not trace under one ("non-infra torch dispatch mode present"), and what they count,
+    the collectives, runs eagerly around the graphs (a ZeRO-3 bucket's gather before its block: :func:`_resolved`)."""
+
+    def call(*args: Any) -> Any:
+        with disable_current_modes():
+            return graph(*args)
+
+    return call
 
 
 class Compiled:

@@ -35,19 +35,25 @@ def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accu
                                 jit=True, jit_backend="aot_eager")
 
 
-def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list[tuple[int, int]]:
-    """(graphs compiled so far, graph breaks so far) after each of ``steps`` compiled steps."""
+def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list:
+    """(graphs compiled so far, graph breaks so far) after each of ``steps`` compiled steps, then whether every step
+    counted the same collectives as the eager step (``count_comms``, on by default, around the compiled blocks)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
-    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh, accum_steps=2,
-                                clip_norm=0.5, jit=True, jit_backend="aot_eager", count_comms=False)
+    make = functools.partial(shardings.train_step, gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
+                             accum_steps=2, clip_norm=0.5)
+    step, eager = make(jit=True, jit_backend="aot_eager"), make()
     state, batch, seen = step.init(params), gpt.example_batch(CFG, 8), []
+    want = eager(params, eager.init(params), batch)[2]["comm"]
+    same_comms = []
     for _ in range(steps):
-        params, state, _ = step(params, state, batch)
+        params, state, metrics = step(params, state, batch)
         seen.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+        same_comms.append(metrics["comm"] == want)
+    seen.append(same_comms)
     short = gpt.example_batch(dataclasses.replace(CFG, seq_len=16), 8)
     try:
         step(params, state, short)
@@ -75,9 +81,10 @@ def _counts_and_errors() -> dict:
 
 def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_dtensor_fallback_warning():
     got = launch(_counts_and_errors, 2)[0]
-    *counts, error = got["zero3"]
+    *counts, same_comms, error = got["zero3"]
     # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
     assert counts == [(1, 0)] * len(counts), counts
+    assert same_comms == [True] * len(counts)  # the collectives, eager around the graphs, are the eager step's
     assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
     # the DTensor path runs eagerly, said once with the warning's class, and still trains
     assert len(got["tp"]) == 1 and "runs eagerly" in got["tp"][0], got["tp"]
