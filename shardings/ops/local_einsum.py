@@ -140,7 +140,9 @@ def _einsum_plain(pattern: str, *tensors: torch.Tensor) -> torch.Tensor:
     2-D views when the contracted dims trail the first operand and lead the second, in order (what ``nn.Linear``
     runs), else ``torch.tensordot``. ``torch.einsum`` goes through ``bmm`` with a batch of one and a dozen view
     and permute ops (and their backward nodes) around it: 1.07× the native model's CPU time at gpt_small."""
-    dims = _tensordot_dims(pattern, tuple(t.ndim for t in tensors))
+    # traced (train_step(jit=True)): the uncached function, which dynamo runs at trace time without a warning
+    lookup = _tensordot_dims.__wrapped__ if torch.compiler.is_compiling() else _tensordot_dims
+    dims = lookup(pattern, tuple(t.ndim for t in tensors))
     if dims is None:
         return einops.einsum(*tensors, pattern)
     swap, a_dims, b_dims = dims
