@@ -30,7 +30,6 @@ each microbatch's mean is weighted by its share of the step's tokens.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -47,7 +46,18 @@ from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
 from shardings.spec.layouts import PARAM_ROLES
 from shardings.spec.mesh import Mesh, P
-from shardings.step import batching, compiled, dtensor_path, finite, local_step, mixed, ownership, pipeline_path, update
+from shardings.step import (
+    batching,
+    compiled,
+    dtensor_path,
+    finite,
+    held_memory,
+    local_step,
+    mixed,
+    ownership,
+    pipeline_path,
+    update,
+)
 from shardings.step.initialize import param_specs
 
 __all__ = ["ParamPlan", "TrainStep", "default_token_count", "train_step"]
@@ -284,6 +294,8 @@ class TrainStep:
             if "params" in self.layout.host:
                 new_params = offload.to_host(new_params)
         held = lambda t: accounting.memory([x for x in tree.leaves(t) if not ownership.is_absent(x)])
+        if self._grad_nbytes is None:  # static for a plan
+            self._grad_nbytes = held_memory.grad_bytes(self._plan, self.mesh, params, grads)
         scalars = self.scalar_metrics
         metrics = {
             "loss": _scalar(loss) if scalars else None,
@@ -293,8 +305,8 @@ class TrainStep:
             "comm_bytes": c.total_bytes() if c else None,
             "memory": {
                 "params": held(new_params),
-                "compute": self._compute_copy_bytes(new_params),
-                "grads": self._grad_bytes(params, grads),
+                "compute": held_memory.compute_copy_bytes(self.cast.compute, new_params),
+                "grads": self._grad_nbytes,
                 "opt_state": held(new_state),
                 "host": sum(accounting.memory(t) for r, t in (("params", new_params), ("opt_state", new_state))
                             if r in self.layout.host),
@@ -312,31 +324,6 @@ class TrainStep:
         return ownership.gather_stages(self.plan(params).ownership, params, self.mesh.device_mesh.device_type)
 
     # -- pieces -----------------------------------------------------------------------------------
-    def _grad_bytes(self, params: Any, grads: Any) -> int:
-        # Gradients held per rank: reduced in backward (a sharded grads role) they take the grads
-        # layout; otherwise backward leaves them whole-per-rank in the compute layout until reduced.
-        # Static for a plan: shapes, specs and dtypes do not change between steps.
-        if self._grad_nbytes is None:
-            plan, total = self._plan, 0
-            specs = {r: tree.leaves(plan.specs[r], is_leaf=lambda s: isinstance(s, P)) for r in ("grads", "compute")}
-            reduce_now = dtensor_path.reduce_in_backward(plan.placements)
-            for i, (p, g) in enumerate(zip(tree.leaves(params), tree.leaves(grads))):
-                gathered = plan.placements["compute"][i] != plan.placements["params"][i]
-                spec = specs["grads" if reduce_now[i] or gathered else "compute"][i]
-                dims = spec.dim_axes() + ((),) * p.ndim
-                total += math.prod(-(-n // self.mesh.axis_size(a)) for n, a in zip(p.shape, dims)) * g.element_size()
-            self._grad_nbytes = total
-        return self._grad_nbytes
-
-    def _compute_copy_bytes(self, params: Any) -> int:
-        """Bytes of the compute-dtype copies of the params each rank makes (its stored blocks, cast before any
-        gather): 0 without a policy or when compute dtype is the params' own."""
-        dtype = self.cast.compute
-        if dtype is None:
-            return 0
-        held = [p for p in tree.leaves(params) if p.is_floating_point() and p.dtype != dtype]
-        return accounting.memory(held) * dtype.itemsize // max(1, held[0].dtype.itemsize) if held else 0
-
     def place_batch(self, batch: Any) -> Any:
         """``batch`` placed by the layout's ``batch`` rules (each data-parallel rank keeps its rows)."""
         return batching.place(batch, self.layout, self.mesh, self.accum_steps)

@@ -1,0 +1,42 @@
+"""Bytes a train step holds per rank beyond what its state trees say (``metrics["memory"]``): the gradients
+while they are reduced, and the compute-dtype copies of the params a precision policy makes."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from core import tree
+from shardings.comm import accounting
+from shardings.spec.mesh import Mesh, P
+from shardings.step import dtensor_path
+
+if TYPE_CHECKING:
+    from shardings.step.train_step import ParamPlan
+
+__all__ = ["compute_copy_bytes", "grad_bytes"]
+
+
+def grad_bytes(plan: ParamPlan, mesh: Mesh, params: Any, grads: Any) -> int:
+    """Gradients held per rank: reduced in backward (a sharded grads role) they take the grads layout; otherwise
+    backward leaves them whole-per-rank in the compute layout until reduced. Static for a plan (shapes, specs and
+    dtypes do not change between steps): the step computes it once."""
+    specs = {r: tree.leaves(plan.specs[r], is_leaf=lambda s: isinstance(s, P)) for r in ("grads", "compute")}
+    reduce_now, total = dtensor_path.reduce_in_backward(plan.placements), 0
+    for i, (p, g) in enumerate(zip(tree.leaves(params), tree.leaves(grads))):
+        gathered = plan.placements["compute"][i] != plan.placements["params"][i]
+        spec = specs["grads" if reduce_now[i] or gathered else "compute"][i]
+        dims = spec.dim_axes() + ((),) * p.ndim
+        total += math.prod(-(-n // mesh.axis_size(a)) for n, a in zip(p.shape, dims)) * g.element_size()
+    return total
+
+
+def compute_copy_bytes(dtype: torch.dtype | None, params: Any) -> int:
+    """Bytes of the ``dtype`` copies of the params each rank makes (its stored blocks, cast before any gather):
+    0 without a policy (``None``) or when ``dtype`` is the params' own."""
+    if dtype is None:
+        return 0
+    held = [p for p in tree.leaves(params) if p.is_floating_point() and p.dtype != dtype]
+    return accounting.memory(held) * dtype.itemsize // max(1, held[0].dtype.itemsize) if held else 0
