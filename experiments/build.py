@@ -62,19 +62,26 @@ def model(conf: Any) -> tuple[ModuleType, Any]:
     return _model(conf)
 
 
+def _import(key: str, hint: str, interface: tuple[str, ...]) -> ModuleType:
+    """The module a dotted ``key=path`` names, which must have ``interface``'s attributes (else ``ConfigError``)."""
+    name = key.split("=", 1)[1]
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import it ({e}). Fix: {hint}, importable from sys.path "
+                          "(PYTHONPATH).") from None
+    missing = [a for a in interface if not hasattr(module, a)]
+    if missing:
+        raise ConfigError(f"{key}: the module has no {missing}. Fix: {hint}.")
+    return module
+
+
 def _model(conf: Any) -> tuple[ModuleType, Any]:
     name = conf.name
     hint = (f"use one of {models.names()} or a module path like `mypkg.my_model` whose module has "
             f"{'/'.join(_INTERFACE)}")
     if "." in name:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            raise ConfigError(f"model.name={name}: cannot import it ({e}). Fix: {hint}, importable from "
-                              f"sys.path (PYTHONPATH).") from None
-        missing = [a for a in _INTERFACE if not hasattr(module, a)]
-        if missing:
-            raise ConfigError(f"model.name={name}: the module has no {missing}. Fix: {hint}.")
+        module = _import(f"model.name={name}", hint, _INTERFACE)
     elif name in models.names():
         module = models.get(name)
     else:
@@ -298,13 +305,19 @@ def pretrained(directory: str, setup: Setup) -> Any:
 
 
 def optimizer(conf: Any, steps: int, schedule: bool = True) -> core.optim.GradientTransformation:
-    """The ``optim`` group's optimizer with its warmup-cosine schedule over ``steps`` (or a constant ``lr``)."""
+    """The ``optim`` group's optimizer with its warmup-cosine schedule over ``steps`` (or a constant ``lr``).
+
+    ``optim.name`` is ``adamw``, ``sgd``, or a dotted module path whose module has ``optimizer(conf, lr)``
+    returning a ``core.optim.GradientTransformation`` (``conf``: the ``optim`` node; ``lr``: the schedule)."""
     warmup = min(conf.warmup_steps, max(steps - 1, 0))
     lr = core.optim.warmup_cosine(conf.lr, warmup, max(steps, warmup + 1), end=conf.lr * conf.end_ratio)
     makers = {
         "adamw": functools.partial(core.optim.adamw, b1=conf.b1, b2=conf.b2, weight_decay=conf.weight_decay),
         "sgd": functools.partial(core.optim.sgd, momentum=conf.momentum, weight_decay=conf.weight_decay),
     }
+    hint = f"use one of {sorted(makers)} or a module path like `mypkg.my_optim` whose module has optimizer(conf, lr)"
+    if "." in conf.name:
+        return _import(f"optim.name={conf.name}", hint, ("optimizer",)).optimizer(conf, lr if schedule else conf.lr)
     if conf.name not in makers:
-        raise ConfigError(f"optim.name={conf.name!r} is unknown. Fix: use one of {sorted(makers)}.")
+        raise ConfigError(f"optim.name={conf.name!r} is unknown. Fix: {hint}.")
     return makers[conf.name](lr if schedule else conf.lr)

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from experiments.build import ConfigError
 from experiments.drill.families import FAMILIES
-from experiments.drill.faults import IN_MODEL, IN_SAVE
+from experiments.drill.faults import IN_MODEL, IN_OPTIMIZER, IN_SAVE
 from experiments.drill.harness import EXTERNAL, RESIZE, Drill, Result, pick, run_drill
 from experiments.drill.table import markdown, write
 from shardings import LaunchError
 from shardings.checkpoint import CheckpointError
 
-FAULTS = (*EXTERNAL, *IN_SAVE, *IN_MODEL)
+FAULTS = (*EXTERNAL, *IN_SAVE, *IN_MODEL, *IN_OPTIMIZER)
 _PER_FAMILY = 10  # the full matrix: this many drills per family (random faults, ranks and moments)
 
 

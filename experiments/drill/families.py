@@ -6,9 +6,11 @@ import dataclasses
 
 __all__ = ["FAMILIES", "JOB", "Family"]
 
-# Every drill job: few steps, a checkpoint every 2, a collective that cannot complete raises after 20 s.
-JOB = ("data.max_bytes=200000", "data.batch_size=8", "progress=false", "optim.warmup_steps=0", "optim.lr=1e-2",
-       "steps=6", "checkpoint.every=2", "checkpoint.keep=3", "runtime=multiprocess", "runtime.timeout_s=20")
+# Every drill job: few steps, a checkpoint every 2, a collective that cannot complete raises after 20 s; adamw with
+# the drill's kill_optimizer fault planted (experiments.drill.optim).
+JOB = ("data.max_bytes=200000", "data.batch_size=8", "progress=false", "optim.name=experiments.drill.optim",
+       "optim.warmup_steps=0", "optim.lr=1e-2", "steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+       "runtime=multiprocess", "runtime.timeout_s=20")
 _MLP = ("model=mlp", "model.name=experiments.drill.mlp", "model.config.dim=32", "model.config.mlp=64")
 
 

@@ -5,7 +5,9 @@ reference model plus the :class:`Faults` fields. Its ``loss`` and pipeline stage
 faults that strike at a point inside one step on one rank: ``nan_batch`` (the loss, or the first stage's output,
 times NaN), ``kill_forward`` (SIGKILL once that value is computed, in forward) and ``kill_backward`` (SIGKILL when
 backward reaches it: the start of a local step's backward; on a pipeline's first stage, its backward right after
-the input gradient was received from the next stage). Its ``init`` (run once per rank) calls :func:`arm`, which
+the input gradient was received from the next stage). ``kill_optimizer`` strikes in the optimizer's update
+(:mod:`experiments.drill.optim`, the job's ``optim.name``), which finds the rank's fault with :func:`armed`. Its
+``init`` (run once per rank) calls :func:`arm`, which
 leaves the rank's pid where the drill's watcher finds it (``<drill_dir>/pid_rank<r>``: faults from outside,
 SIGKILL or SIGSTOP at a moment the watcher picks) and, for a fault inside ``checkpoint.save``, installs a
 ``shardings.checkpoint.add_save_hook`` hook on the chosen rank. Every run of a drill (the uninterrupted one, the
@@ -27,7 +29,8 @@ import torch.distributed as dist
 
 from shardings import checkpoint, pipeline
 
-__all__ = ["DISK_ERRORS", "IN_MODEL", "IN_SAVE", "Faults", "arm", "mark_struck", "planted", "planted_stages", "wrap"]
+__all__ = ["DISK_ERRORS", "IN_MODEL", "IN_OPTIMIZER", "IN_SAVE", "Faults", "arm", "armed", "kill", "mark_struck",
+           "planted", "planted_stages", "wrap"]
 
 # At a checkpoint.save moment (add_save_hook's): SIGKILL once the rank's files are written or once the manifest is;
 # or the disk fills up / turns read-only as the rank's files are written (an OSError from the hook: no tmpfs or
@@ -36,8 +39,9 @@ DISK_ERRORS = {"disk_full": errno.ENOSPC, "read_only": errno.EROFS}
 IN_SAVE = ("save_written", "save_manifest", *DISK_ERRORS)
 # At a point inside one step on one rank: a batch whose loss is NaN; SIGKILL in forward or in backward
 IN_MODEL = ("nan_batch", "kill_forward", "kill_backward")
+IN_OPTIMIZER = ("kill_optimizer",)  # SIGKILL inside one step's optimizer update, on one rank
 STRUCK = "struck"  # <drill_dir>/struck: when the fault struck (time.time()), written just before it strikes
-_ARMED: set[str] = set()  # drill dirs this process armed (init may run more than once per rank)
+_ARMED: dict[str, Faults] = {}  # drill dirs this process armed (init may run more than once per rank): the fault
 _CALLS = [0]  # calls of the poisoned function with real (not meta) tensors in this process
 
 
@@ -90,7 +94,8 @@ def _strikes_now(cfg: Faults, x: Any) -> bool:
     return rank == cfg.fault_rank and first < _CALLS[0] <= last
 
 
-def _kill(cfg: Faults, where: str) -> None:
+def kill(cfg: Faults, where: str) -> None:
+    """SIGKILL this process, recording that it struck in step ``cfg.fault_step``'s ``where``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     if cfg.drill_dir:
         mark_struck(cfg.drill_dir, f"SIGKILL of rank {rank} in step {cfg.fault_step}'s {where}")
@@ -107,9 +112,9 @@ def planted(fn: Callable[..., Any], cfg: Faults) -> Callable[..., Any]:
         if not _strikes_now(cfg, out):
             return out
         if cfg.fault == "kill_forward":
-            _kill(cfg, "forward")
+            kill(cfg, "forward")
         if cfg.fault == "kill_backward":
-            out.register_hook(lambda grad: _kill(cfg, "backward"))
+            out.register_hook(lambda grad: kill(cfg, "backward"))
             return out
         if cfg.drill_dir:
             mark_struck(cfg.drill_dir, f"NaN batch on rank {cfg.fault_rank} at step {cfg.fault_step}")
@@ -127,14 +132,20 @@ def arm(cfg: Faults) -> None:
     """On a real rank of a drill: leave this process's pid, and install the in-rank fault on its rank (once)."""
     if not cfg.drill_dir or not dist.is_initialized() or cfg.drill_dir in _ARMED:
         return
-    _ARMED.add(cfg.drill_dir)
+    _ARMED[cfg.drill_dir] = cfg
     _CALLS[0] = 0
     rank = dist.get_rank()
     _write_pid(cfg.drill_dir, rank)
     if cfg.fault in IN_SAVE and rank == cfg.fault_rank:
         checkpoint.add_save_hook(_save_fault(cfg))
-    elif cfg.fault not in ("none", *IN_SAVE, *IN_MODEL):
-        raise ValueError(f"drill: unknown fault {cfg.fault!r}. Fix: one of none, {', '.join(IN_SAVE + IN_MODEL)}.")
+    elif cfg.fault not in ("none", *IN_SAVE, *IN_MODEL, *IN_OPTIMIZER):
+        raise ValueError(f"drill: unknown fault {cfg.fault!r}. "
+                         f"Fix: one of none, {', '.join(IN_SAVE + IN_MODEL + IN_OPTIMIZER)}.")
+
+
+def armed() -> Faults | None:
+    """The fault this rank was armed with (:func:`arm`), or ``None`` outside a drill."""
+    return next(reversed(_ARMED.values()), None)
 
 
 def wrap(model: Any) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:

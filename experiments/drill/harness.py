@@ -5,7 +5,8 @@ The uninterrupted run of a family is made once (:func:`reference`) and shared by
 (:func:`run_drill`) starts the same job with a fault planted and waits for it to fail: from outside, a watcher
 thread SIGKILLs or SIGSTOPs one rank a random delay after the job logged a given step; from inside
 (:mod:`.faults`), a ``checkpoint.save`` hook SIGKILLs a rank or raises a disk error at a commit moment, one
-step's loss turns NaN, or a rank SIGKILLs itself inside a step (in forward, or in backward). The job's error must
+step's loss turns NaN, or a rank SIGKILLs itself inside a step (in forward, in backward, or in the optimizer
+update). The job's error must
 name what struck (the rank, or the step and leaf). Then the job is restarted in the same folder
 (``sigkill_resize``: on half the ranks), resumes from its newest checkpoint that verifies, and must end with the
 reference's loss at every step and its final checkpoint's tensors, bitwise (within the tolerance rule on another
@@ -31,7 +32,7 @@ from hydra import compose, initialize
 import shardings
 from experiments.config import app_overrides, own_model, register
 from experiments.drill.families import JOB, Family
-from experiments.drill.faults import DISK_ERRORS, IN_MODEL, IN_SAVE, STRUCK, mark_struck
+from experiments.drill.faults import DISK_ERRORS, IN_MODEL, IN_OPTIMIZER, IN_SAVE, STRUCK, mark_struck
 from experiments.train import run
 from shardings import checkpoint
 from shardings.testing import assert_close
@@ -63,7 +64,7 @@ class Drill:
             return f"save of step {self.step} ({'files written' if self.fault != 'save_manifest' else 'manifest'})"
         if self.fault == "nan_batch":
             return f"step {self.step}'s batch"
-        if self.fault in IN_MODEL:  # a kill inside the step, in its first microbatch
+        if self.fault in IN_MODEL + IN_OPTIMIZER:  # a kill inside the step (a model's: in its first microbatch)
             return f"inside step {self.step}, in {self.fault.removeprefix('kill_')}"
         return f"{self.delay_ms} ms after step {self.step} was logged"
 
@@ -240,4 +241,6 @@ def pick(family: Family, fault: str, rng: random.Random) -> Drill:
     if fault in IN_MODEL:  # pipelines: a rank of the first stage (pp is the mesh's minor axis: even ranks)
         ranks = range(0, family.world, 2 if family.calls > 1 else 1)
         return Drill(family, fault, rng.choice(ranks), rng.randrange(2, _STEPS + 1))
+    if fault in IN_OPTIMIZER:  # every rank updates its own shard
+        return Drill(family, fault, rng.randrange(family.world), rng.randrange(2, _STEPS + 1))
     return Drill(family, fault, rng.randrange(family.world), rng.randrange(1, _STEPS), rng.randrange(0, 200))

@@ -4,14 +4,16 @@ module paths are accepted. The model lives in a temporary folder, not in the rep
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from experiments import equivalence
-from experiments.build import ConfigError, build
+from experiments.build import ConfigError, build, optimizer
 from tests.experiments.conftest import compose_config
 
 # A bigram model whose Config shares no field name with gpt_tiny's but vocab/seq_len, and has none of norm_eps, dim.
@@ -113,3 +115,22 @@ def test_a_name_that_is_not_a_model_says_what_is(name, says, capsys):
     assert equivalence.main([f"model.name={name}", "layout=dp", "mesh=dp2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and "module path like `mypkg.my_model`" in err
+
+
+def test_your_own_optimizer_from_a_module_path():
+    mine, adamw = (optimizer(compose_config("train", [f"optim.name={name}"]).optim, steps=4)
+                   for name in ("experiments.drill.optim", "adamw"))
+    params, grads = {"w": torch.ones(3)}, {"w": torch.tensor([0.5, -1.0, 2.0])}
+    got, want = mine.update(grads, mine.init(params), params), adamw.update(grads, adamw.init(params), params)
+    assert torch.equal(got[0]["w"], want[0]["w"])  # the drill's adamw: adamw, until a drill arms its fault
+    assert mine.elementwise and mine.fused_step is not None
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("adam", "optim.name='adam' is unknown. Fix: use one of ['adamw', 'sgd'] or a module path like `mypkg.my_optim`"),
+    ("json.decoder", "optim.name=json.decoder: the module has no ['optimizer']. Fix: use one of ['adamw', 'sgd']"),
+])
+def test_an_optimizer_name_that_is_not_one_says_what_is(name, says):
+    conf = compose_config("train", [f"optim.name={name}"]).optim
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        optimizer(conf, steps=4)
