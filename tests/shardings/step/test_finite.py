@@ -1,5 +1,5 @@
 """A step without a loss scale whose gradients are not finite raises ``NonFiniteGradError`` naming the first leaf
-(``shardings/step/finite.py``), under data, tensor and ZeRO layouts on simulated ranks; under fp16 the loss scale
+(``shardings/step/finite.py``), under data, tensor and ZeRO layouts on simulated ranks, in fp32 and under bf16; under fp16 the loss scale
 skips the step instead."""
 
 import functools
@@ -31,11 +31,13 @@ def _step(layout, mesh, leaves, precision=None):
     return step, params, step.init(params)
 
 
-@pytest.mark.parametrize(("layout", "mesh"), [("dp", Mesh(dp=2)), ("dp+tp", Mesh(dp=2, tp=2)),
-                                              ("zero2", Mesh(dp=2))])
-def test_a_non_finite_gradient_names_its_first_leaf(layout, mesh):
+@pytest.mark.parametrize(("layout", "mesh", "precision"), [
+    ("dp", Mesh(dp=2), None), ("dp+tp", Mesh(dp=2, tp=2), None), ("zero2", Mesh(dp=2), None),
+    ("zero2", Mesh(dp=2), Policy.bf16_mixed()), ("dp+tp", Mesh(dp=2, tp=2), Policy.bf16_mixed()),  # no loss scale
+])
+def test_a_non_finite_gradient_names_its_first_leaf(layout, mesh, precision):
     with shardings.simulate(mesh.size):
-        step, params, state = _step(layout, mesh, [(1, "w_down"), (1, "w_up")])  # the tree's order: w_up first
+        step, params, state = _step(layout, mesh, [(1, "w_down"), (1, "w_up")], precision)  # tree order: w_up first
         with pytest.raises(shardings.NonFiniteGradError, match=r"the gradient of \['blocks'\]\[1\]\['w_up'\]") as e:
             step(params, state, BATCH)
         assert e.value.path == "['blocks'][1]['w_up']" and "Fix:" in str(e.value)
