@@ -1,6 +1,6 @@
 """A step without a loss scale whose gradients are not finite raises ``NonFiniteGradError`` naming the first leaf
-(``shardings/step/finite.py``), under data, tensor and ZeRO layouts on simulated ranks, in fp32 and under bf16; under fp16 the loss scale
-skips the step instead."""
+(``shardings/step/finite.py``), under data, tensor and ZeRO layouts on simulated ranks, in fp32 and under bf16;
+under fp16 the loss scale skips the step instead."""
 
 import functools
 
