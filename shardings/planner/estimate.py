@@ -31,7 +31,8 @@ from shardings.planner.model_profile import Profile
 from shardings.planner.prediction import Prediction
 from shardings.spec import layouts
 
-__all__ = ["DTYPES", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts", "stage_blocks"]
+__all__ = ["DTYPES", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts", "pipeline_sends",
+           "stage_blocks"]
 
 DTYPES = {"fp32": (None, None), "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
 _BUCKET = 25 * 2**20  # bytes per bucketed collective (shardings.comm.buckets.DEFAULT_BUCKET_MB)
@@ -47,6 +48,19 @@ def pipeline_facts(schedule: str, pp: int, microbatches: int, virtual_stages: in
     except ValueError:
         return None
     return s.bubble(), max(s.peak_in_flight())
+
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_sends(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[int, int]:
+    """``(messages in all, most messages one rank sends)`` per step: each stage boundary between two ranks
+    carries every microbatch's activation forward and its gradient back."""
+    s = build(schedule, pp, microbatches, virtual_stages=virtual_stages)
+    crossing = [b for b in range(s.stages - 1) if s.rank_of(b) != s.rank_of(b + 1)]
+    per_rank = [0] * pp
+    for b in crossing:
+        per_rank[s.rank_of(b)] += 1  # the activation forward
+        per_rank[s.rank_of(b + 1)] += 1  # its gradient back
+    return 2 * len(crossing) * microbatches, max(per_rank) * microbatches
 
 
 @functools.lru_cache(maxsize=4096)
@@ -225,17 +239,16 @@ def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dic
         for leaf in group:
             width = compute.itemsize if compute and leaf.floating else leaf.itemsize
             stored = leaf.numel["params"] * _stored_width(leaf, compute, master)
-            grad = (reduce.itemsize if reduce and leaf.floating else leaf.itemsize) * leaf.numel["compute"]
+            grad = (reduce.itemsize if reduce and leaf.floating else leaf.itemsize) * leaf.numel["arrives"]
             full = leaf.numel["compute"] * width
-            times = gathers_per_step * (2 if leaf.in_blocks else 1)
+            times = gathers_per_step * (2 if leaf.in_blocks and not layout.pipelined else 1)  # pp: once a step
             for a in leaf.gather:
                 comm.add("all_gather", a, k * times * full, k * times * full / _BUCKET, sizes[a])
             shard = grad
-            for a in leaf.scatter:
-                comm.add("reduce_scatter", a, k * shard, k * shard / _BUCKET, sizes[a])
-                shard /= sizes[a]
-            for a in leaf.reduce:
-                comm.add("all_reduce", a, k * shard, k * shard / _BUCKET, sizes[a])
+            for a in _reduction_order(leaf, sizes, layout):
+                comm.add("reduce_scatter" if a in leaf.scatter else "all_reduce", a, k * shard, k * shard / _BUCKET,
+                         sizes[a])
+                shard /= sizes[a] if a in leaf.scatter else 1
             for a in leaf.regather:  # updated shards gathered back in their stored dtype
                 comm.add("all_gather", a, k * stored, k * stored / _BUCKET, sizes[a])
             if "opt_state" in layout.host:  # gradient (and param, unless the master is there) blocks, both ways
@@ -246,6 +259,15 @@ def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dic
             if "params" in layout.host:
                 comm.add("h2d", "host", k * stored, k)
                 comm.add("d2h", "host", k * stored, k)
+
+
+def _reduction_order(leaf: model_state.Leaf, sizes: dict[str, int], layout: layouts.Layout) -> list[str]:
+    """The data axes a gradient is reduced over, in order: in backward, scattered first and the shard all-reduced;
+    under ``pp`` (reduced once after the schedule, one redistribute from ``Partial``) in mesh order, major first,
+    so an HSDP gradient is all-reduced over ``dp`` whole before it is scattered over ``fsdp``."""
+    if layout.pipelined:
+        return [a for a in sizes if a in leaf.scatter or a in leaf.reduce]
+    return [*leaf.scatter, *leaf.reduce]
 
 
 def _activation_comm(comm: _Comm, cfg: Any, cand: Candidate, rows_mb: float, blocks: int, width: int, sp: bool,
@@ -276,8 +298,11 @@ def _activation_comm(comm: _Comm, cfg: Any, cand: Candidate, rows_mb: float, blo
         buffer = rows_mb * e * slots * dim * width
         moe = blocks / getattr(cfg, "moe_every", 1)
         comm.add("all_to_all", "ep", 4 * moe * m * buffer, 4 * moe * m, n)
+    if t > 1 and cand.size("dp") > 1:  # per microbatch, the loss's per-token values (fp32) over dp, as measured
+        n = cand.size("dp")
+        comm.add("reduce_scatter", "dp", m * rows_mb * n * cfg.seq_len * 4, m, n)
     if cand.pipelined:
-        sends = 2 * m * (cand.virtual_stages or 1)
+        sends = pipeline_sends(cand.schedule, cand.size("pp"), m, cand.virtual_stages)[1]
         comm.add("send", "pp", sends * residual / (t if sp else 1), sends)
 
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 import core
-from shardings.pipeline import build
 from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
+from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.prediction import Prediction
 
@@ -82,19 +82,6 @@ def _affine(points: dict[tuple[int, int], dict[str, Any]], period: int, blocks: 
             value += (v01 - v00) * (m - 1) + (v11 - v10 - v01 + v00) * x * (m - 1)
         out[k] = value
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def pipeline_sends(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[int, int]:
-    """``(messages in all, most messages one rank sends)`` per step: each stage boundary between two ranks
-    carries every microbatch's activation forward and its gradient back."""
-    s = build(schedule, pp, microbatches, virtual_stages=virtual_stages)
-    crossing = [b for b in range(s.stages - 1) if s.rank_of(b) != s.rank_of(b + 1)]
-    per_rank = [0] * pp
-    for b in crossing:
-        per_rank[s.rank_of(b)] += 1  # the activation forward
-        per_rank[s.rank_of(b + 1)] += 1  # its gradient back
-    return 2 * len(crossing) * microbatches, max(per_rank) * microbatches
 
 
 def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int,

@@ -27,9 +27,14 @@ from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import logical_to_spec
 from shardings.step.initialize import param_specs
 
-__all__ = ["Leaf", "Leaves", "leaves", "on_device", "optimizer_factor"]
+__all__ = ["LOOKUP", "Leaf", "Leaves", "leaves", "on_device", "optimizer_factor"]
 
 _ROLES = ("params", "compute", "grads", "opt_state")
+LOOKUP = "vocab"
+"""The logical name of a lookup table's rows (an embedding ``(vocab, embed)``). DTensor's embedding backward has no
+rule for a table whose rows are sharded (vocab-parallel under ``tp``): its gradient comes back replicated over the
+axes that shard the rows, so the data-parallel reduction moves the whole rows (the exact runs count it so; the
+slice back to this rank's rows is local)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,9 @@ class Leaf:
 
     Attributes:
         numel: elements per rank by role (``params`` storage, ``compute``, ``held`` gradient (what the step holds:
-            the grads role if reduced in backward or gathered, else compute), ``opt_state`` placement).
+            the grads role if reduced in backward or gathered, else compute), ``opt_state`` placement), and
+            ``arrives``: the gradient's elements as backward hands it to the data-parallel reduction (the compute
+            block, but a lookup table's whole rows: :data:`LOOKUP`).
         itemsize: bytes per element of the parameter (its storage dtype).
         floating: a floating-point parameter (cast by a precision policy).
         gather: axes its storage is split over and its compute is not (ZeRO-3: gathered before use).
@@ -103,6 +110,7 @@ def _leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...
     layout_ = layout_of(layout)
     mesh = Mesh(dict(sizes))
     recipes, axes = _recipes(model, dataclasses.replace(cfg, layers=period))
+    names = dict(tree.leaves_with_path(axes, is_leaf=lambda n: isinstance(n, tuple)))
     specs = {r: tree.leaves(param_specs(axes, recipes, layout_, mesh, role=r), is_leaf=lambda s: isinstance(s, P))
              for r in _ROLES}
     batch = logical_to_spec(("batch", "seq"), layout_.role("batch"), mesh)
@@ -115,6 +123,8 @@ def _leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...
         reduce_now = g != c and not gathered
         numel = {"params": _local(shape, s, mesh), "compute": _local(shape, c, mesh),
                  "held": _local(shape, g if reduce_now or gathered else c, mesh), "opt_state": _local(shape, o, mesh)}
+        rows = c.dim_axes()[0] if shape and names.get(path, ())[:1] == (LOOKUP,) else ()
+        numel["arrives"] = numel["compute"] * math.prod(mesh.axis_size(a) for a in rows)
         partial = [a for a in data if a not in _axes(c)]  # gradients come out summed over nothing else
         scatter = tuple(a for a in partial if a in _axes(o))
         leaf = Leaf(numel, recipe.dtype.itemsize, recipe.dtype.is_floating_point,

@@ -3,6 +3,9 @@
 sharded with the optimizer state and the all-gather after the update moves the bf16 copy."""
 
 import functools
+import math
+
+import pytest
 
 import core
 import models
@@ -11,6 +14,8 @@ from shardings.planner import Candidate
 from shardings.planner import estimate as estimates
 from shardings.planner.model_profile import block_period
 from shardings.planner.search import _profiles
+from tests.shardings.planner.test_exact import CFG as EXACT_CFG
+from tests.shardings.planner.test_exact import _cluster
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=16)
 ROWS = 8
@@ -40,3 +45,30 @@ def test_zero2_bf16_model_state_and_gather_bytes_equal_a_simulated_step():
     for key in (("all_gather", "dp"), ("reduce_scatter", "dp")):
         assert round(float(est.simulated[key][1])) == sent[key], key
     assert sent[("all_gather", "dp")] == 2 * p * 3 // 4  # a ring all-gather of the bf16 copy
+
+
+def _data_rows(pred) -> dict:
+    """The bytes per collective kind × data axis of a prediction: the parameters' collectives."""
+    return {k: round(float(b)) for k, (_, b) in pred.comm.items() if k[1] in ("dp", "fsdp") and round(float(b))}
+
+
+# Fixed cases, not random draws: each is four fake steps of the exact prediction (6-16 s at load 5 here, 31 s for
+# the three; a random pipelined candidate of test_exact's space added ~14 s more, past the 30 s asked). Each is a
+# case the estimate got wrong: a zero1 stage with the vocab-parallel embedding (its gradient arrives whole over
+# tp), ZeRO-3 gathered once a step under pp, HSDP's all-reduce over dp of the whole gradient before the scatter
+# over fsdp.
+@pytest.mark.parametrize("cand", [
+    Candidate("zero1+tp+sp+pp", (("pp", 2), ("dp", 2), ("tp", 2)), 4, "interleaved_1f1b", 2, True, "bf16"),
+    Candidate("zero3+pp", (("pp", 2), ("dp", 2)), 2, "1f1b", None, False, "fp32"),
+    Candidate("hsdp+pp", (("pp", 2), ("dp", 2), ("fsdp", 2)), 2, "zb_v", None, False, "bf16"),
+], ids=str)
+def test_pipelined_estimate_sends_the_exact_parameter_collective_bytes(cand):
+    opt = core.optim.adamw(1e-3)
+    cfg = EXACT_CFG
+    estimated = estimates.estimate(models.gpt, cfg, ROWS, cand, opt, _profiles(models.gpt, cfg, cand),
+                                   block_period(models.gpt, cfg))
+    ranking = shardings.plan(models.gpt, cfg, (ROWS, cfg.seq_len), _cluster(math.prod(cand.sizes.values())),
+                             candidates=[cand], optimizer=opt, top_k=1, budget_s=1e9)
+    exact = ranking.row(cand).prediction
+    assert exact.exact
+    assert _data_rows(estimated) == _data_rows(exact)
