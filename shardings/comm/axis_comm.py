@@ -26,13 +26,18 @@ from shardings.spec.mesh import Mesh, register_group
 
 AxisName = str | tuple[str, ...]
 
-# Per thread, the meshes of the shard_map calls running right now, innermost last.
-_STATE = threading.local()
+class _State(threading.local):
+    """Per thread, the meshes of the shard_map calls running right now, innermost last. Made when a thread first
+    reads it, so a compiled block that binds a mesh sees the same attributes on every call (no recompile)."""
+
+    def __init__(self) -> None:
+        self.meshes: list[Mesh] = []
+
+
+_STATE = _State()
 
 
 def _meshes() -> list[Mesh]:
-    if not hasattr(_STATE, "meshes"):
-        _STATE.meshes = []
     return _STATE.meshes
 
 

@@ -74,7 +74,20 @@ def blockwise(
     grads = _grad_placements(x, args, whole)
     if grads is None:
         return f(x, *args)
+    if torch.compiler.is_compiling():
+        return _traced_blockwise(f, grads, x, *args)
     return _Blockwise.apply(f, transpose, grads, x, *args)
+
+
+def _traced_blockwise(f: Callable[..., torch.Tensor], grads: list[tuple[Placement, ...]], x: DTensor,
+                      *args: DTensor) -> DTensor:
+    """:class:`_Blockwise` as torch.compile traces it (``train_step(jit=True)``): ``f`` on the blocks between
+    DTensor's own ``to_local``/``from_local``, whose backward lays the gradients out as :class:`_Blockwise`'s
+    does (``x``'s like ``x``, each weight's as ``grads`` says); what backward saves or recomputes is the
+    compiler's choice."""
+    blocks = [t.to_local(grad_placements=g) for t, g in zip((x, *args), (x.placements, *grads), strict=True)]
+    out = f(*blocks)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 class _Blockwise(torch.autograd.Function):

@@ -40,16 +40,37 @@ from shardings.pipeline import Stages
 from shardings.runtime.compat import disable_current_modes
 from shardings.runtime.simulate import simulated
 from shardings.spec.errors import ShardingError, sharding_error
+from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.placeholder import resolve
 
-__all__ = ["WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
+__all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
+# The presets whose compositions compile on the DTensor path (the local path's layouts always do).
+DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp"})
 
 
 class CompileFallbackWarning(UserWarning):
     """``train_step(jit=True)`` runs this layout's step eagerly: its path cannot be compiled yet."""
+
+
+@torch._dynamo.decorators.substitute_in_graph(torch._C._DTensor_compute_global_tensor_info, skip_signature_check=True)
+def _global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tuple[list[int], list[int]]:
+    """What dynamo runs for DTensor's ``compute_global_tensor_info``: the global shape and stride of a local
+    block. torch 2.13 made it a C function, which dynamo cannot trace, and calls it in the backward of
+    ``DTensor.to_local`` and in ``DTensor.from_local`` without ``shape``: each such call in a compiled block was a
+    graph break (findings §2). This is the Python version torch had before (Shard, Replicate, Partial)."""
+    shape, stride = list(tensor.size()), list(tensor.stride())
+    for m, placement in enumerate(placements):
+        n = mesh.size(m)
+        if placement.is_shard():
+            dim = placement.dim
+            shape[dim] *= n
+            stride = [s * n if i != dim and s >= stride[dim] else s for i, s in enumerate(stride)]
+        elif not (placement.is_replicate() or placement.is_partial()):
+            raise RuntimeError(f"placement type {type(placement)} not supported!")
+    return shape, stride
 
 
 def _resolved(tree_: Any) -> Any:
@@ -108,6 +129,19 @@ class Compiled:
                 f"train_step(jit=True): {why}; this step runs eagerly (same results, no compiled graphs). "
                 "Fix: pass jit=False to silence this, or a data-parallel layout (dp, zero1/2/3, hsdp) to compile"),
                 stacklevel=4)
+
+    def compiles(self, layout: Layout, local: bool) -> bool:
+        """Whether ``layout``'s step runs the compiled loss (else it warns, once, and runs eagerly); raises under
+        simulated ranks. ``local``: the step runs on the local path (plain tensors), which always compiles."""
+        self.check_ranks()
+        if layout.pipelined:
+            self.fallback(f"layout {layout.name!r} pipelines the model's blocks (pp), whose stages do not compile yet")
+            return False
+        if local or (layout.presets and set(layout.presets) <= DTENSOR_PRESETS):
+            return True
+        self.fallback(f"layout {layout.name!r} runs on DTensors with presets outside {sorted(DTENSOR_PRESETS)} "
+                      "(cp, ep, hand-made layouts), whose per-op layer does not compile yet (docs/performance.md)")
+        return False
 
     def check_ranks(self) -> None:
         """Raise under simulated ranks: their tensors (``LocalTensorMode``) cannot be compiled."""

@@ -235,17 +235,13 @@ class TrainStep:
 
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
-        if self.compiled is not None:
-            self.compiled.check_ranks()
-            if plan.local is None:  # the DTensor or pipeline path
-                self.compiled.fallback(f"layout {self.layout.name!r} runs on DTensors (model-parallel axes or pp), "
-                                       "whose per-op layer does not compile yet (docs/performance.md)")
+        compiling = self.compiled is not None and self.compiled.compiles(self.layout, local=plan.local is not None)
         if self.layout.pipelined:
             return pipeline_path.grads(self, plan, params, batch, scale)
-        with self.compiled.running(batch) if self.compiled and plan.local else contextlib.nullcontext():
+        with self.compiled.running(batch) if compiling else contextlib.nullcontext():
             batch = self.place_batch(batch)
             if plan.local is None:
-                return dtensor_path.grads(self, plan, params, batch, scale)
+                return dtensor_path.grads(self, plan, params, batch, scale, compiling)
             rows = [tree.map(lambda x: x.to_local(), mb) for mb in self.microbatches(batch)]
             loss_fn = self.compiled.loss_fn if self.compiled else self.loss_fn
             loss, g, tokens = local_step.run(plan.local, self.mesh, loss_fn, plan.treedef, tree.leaves(params),
