@@ -35,6 +35,14 @@ def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accu
                                 jit=True, jit_backend="aot_eager")
 
 
+def test_compiled_dtensor_step_matches_the_reference_under_dp_tp_sp_and_zero3_tp_sp():
+    # the DTensor path: constrain, the local einsums, blockwise norms/RoPE and attention's shard_map traced into one
+    # graph per block; ZeRO-3's bucket gathered before the block. One launch, accumulation, clipping, 3 AdamW steps
+    check_equivalence(gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 8),
+                      layouts=["dp+tp+sp", "zero3+tp+sp"], mesh=Mesh(dp=2, tp=2), steps=3, accum_steps=2,
+                      clip_norm=0.5, runtime="multiprocess", stages=gpt.stages, jit=True, jit_backend="aot_eager")
+
+
 def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list:
     """(graphs compiled so far, graph breaks so far) after each of ``steps`` compiled steps, then whether every step
     counted the same collectives as the eager step (``count_comms``, on by default, around the compiled blocks)."""
@@ -64,31 +72,35 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list:
 
 
 def _counts_and_errors() -> dict:
-    out = {"zero3": _counted_steps("zero3", Mesh(dp=2), 2 + WARMUP_STEPS)}
-    mesh = Mesh(tp=2)
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="tp", mesh=mesh)
-    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="tp", mesh=mesh, jit=True,
+    out = {layout: _counted_steps(layout, mesh, 2 + WARMUP_STEPS)
+           for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)))}
+    mesh = Mesh(cp=2)
+    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="cp", mesh=mesh)
+    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="cp", mesh=mesh, jit=True,
                                 count_comms=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = step.init(params)
         for _ in range(2):
             params, state, metrics = step(params, state, gpt.example_batch(CFG, 8))
-    out["tp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
-    out["tp_loss"] = metrics["loss"]
+    out["cp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    out["cp_loss"] = metrics["loss"]
     return out
 
 
-def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_dtensor_fallback_warning():
+def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_cp_fallback_warning():
     got = launch(_counts_and_errors, 2)[0]
-    *counts, same_comms, error = got["zero3"]
-    # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
-    assert counts == [(1, 0)] * len(counts), counts
-    assert same_comms == [True] * len(counts)  # the collectives, eager around the graphs, are the eager step's
-    assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
-    # the DTensor path runs eagerly, said once with the warning's class, and still trains
-    assert len(got["tp"]) == 1 and "runs eagerly" in got["tp"][0], got["tp"]
-    assert 0 < got["tp_loss"] < 10
+    for layout in ("zero3", "tp+sp"):
+        *counts, same_comms, error = got[layout]
+        # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
+        assert counts == [(1, 0)] * len(counts), (layout, counts)
+        assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
+        # the local path's collectives, eager around the graphs, are the eager step's; the DTensor path's tp/sp
+        # collectives run inside the graphs, where the comms count (a dispatch mode) does not see them
+        assert same_comms == [layout == "zero3"] * len(counts), (layout, same_comms)
+    # cp (ring attention) runs eagerly, said once with the warning's class, and still trains
+    assert len(got["cp"]) == 1 and "runs eagerly" in got["cp"][0], got["cp"]
+    assert 0 < got["cp_loss"] < 10
 
 
 def test_jit_under_simulated_ranks_is_a_clear_error():
