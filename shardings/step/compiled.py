@@ -7,20 +7,30 @@ Everything around the graphs stays eager, as FSDP2's hooks stay eager around tor
 local path's bucketed all-gathers, reduce-scatters and all-reduces (:mod:`shardings.step.local_step`) are launched
 from the same hooks, at the same points of backward, so they overlap with it exactly as in the eager step.
 
+On the DTensor path (tp, sp and their compositions with the data-parallel presets) the block's DTensor ops are
+traced: its tp/sp collectives (``constrain``'s redistributions) become functional collectives inside the graph,
+as torch's DTensor compile support lowers them (torchtitan's compiled TP blocks).
+
 What makes a block traceable:
 
 - the active mesh lookup: :func:`shardings.spec.context.current` reads a dynamo-visible global while tracing;
 - ZeRO-3's gathered parameters: a block's placeholders are resolved (its bucket gathered) *before* the compiled
   block is entered, FSDP2's pre-forward position, so no parameter placeholder reaches the graph; the
-  re-gather bookkeeping autograd calls (saved-tensor hooks) is ``torch.compiler.disable``d.
+  re-gather bookkeeping autograd calls (saved-tensor hooks) is ``torch.compiler.disable``d;
+- shardings' per-op layer, while dynamo traces: the plan lookups run uncached at trace time, and the local einsum,
+  ``blockwise`` and ``constrain`` take DTensor's own ``to_local``/``from_local``/``redistribute`` (the same blocks,
+  layouts and backward) instead of their autograd functions that build DTensors by hand;
+- DTensor's ``compute_global_tensor_info`` (C in torch 2.13, called by ``to_local``'s backward): a Python
+  polyfill for dynamo (:func:`_global_tensor_info`).
 
 Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
 some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step
 :data:`WARMUP_STEPS` on, the step runs under ``torch.compiler.set_stance("fail_on_recompile")`` with
 ``fail_on_recompile_limit_hit``, so any other recompile is an error, never a silent slow step.
 
-Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): the DTensor
-path (tp, sp, cp, ep: shardings' per-op layer is not traceable yet) and pipelined layouts. Simulated ranks
+Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): layouts with a
+preset outside :data:`DTENSOR_PRESETS` (cp: ring attention's autograd function binds the mesh in backward, a
+side effect dynamo refuses; ep; hand-made layouts) and pipelined layouts. Simulated ranks
 cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in torch 2.13): a
 ``ShardingError``.
 """
@@ -127,7 +137,7 @@ class Compiled:
             self.warned = True
             warnings.warn(CompileFallbackWarning(
                 f"train_step(jit=True): {why}; this step runs eagerly (same results, no compiled graphs). "
-                "Fix: pass jit=False to silence this, or a data-parallel layout (dp, zero1/2/3, hsdp) to compile"),
+                "Fix: pass jit=False to silence this, or a layout of presets dp, zero1/2/3, hsdp, tp, sp to compile"),
                 stacklevel=4)
 
     def compiles(self, layout: Layout, local: bool) -> bool:
