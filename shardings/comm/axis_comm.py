@@ -43,7 +43,14 @@ def _meshes() -> list[Mesh]:
 
 @contextlib.contextmanager
 def bind_mesh(mesh: Mesh) -> Iterator[None]:
-    """Make ``mesh``'s axis names callable by collectives in the body (``shard_map`` uses this)."""
+    """Make ``mesh``'s axis names callable by collectives in the body (``shard_map`` uses this).
+
+    Traced, binding the innermost mesh again is a no-op: an autograd function's backward that names its axes
+    (ring attention's) is traced by dynamo right after its forward, inside the same ``shard_map``, where a push
+    on the stack would be a side effect dynamo refuses."""
+    if torch.compiler.is_compiling() and _meshes() and _meshes()[-1] == mesh:
+        yield
+        return
     _meshes().append(mesh)
     try:
         yield
@@ -128,6 +135,8 @@ def _resolve(axis_name: AxisName, op: str) -> _Axis:
 
 def _on_each_rank(ax: _Axis, fn: Callable[[int], Any]) -> Any:
     """``fn(axis index)`` for this rank: one value per simulated rank under ``simulate``."""
+    if torch.compiler.is_compiling():  # real ranks only (train_step refuses to compile simulated ones)
+        return fn(ax.index_of(ax.mesh.device_mesh.get_rank()))
     return maybe_run_for_local_tensor(lambda rank: fn(ax.index_of(rank)))(ax.mesh.device_mesh.get_rank())
 
 

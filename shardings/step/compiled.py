@@ -58,7 +58,7 @@ __all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compile
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
 # The presets whose compositions compile on the DTensor path (the local path's layouts always do).
-DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp"})
+DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp"})
 
 
 class CompileFallbackWarning(UserWarning):

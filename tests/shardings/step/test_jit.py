@@ -20,7 +20,7 @@ from models import gpt
 from shardings import Mesh, launch
 from shardings.spec.errors import ShardingError
 from shardings.step.compiled import WARMUP_STEPS, CompileFallbackWarning
-from shardings.testing import check_equivalence
+from shardings.testing import assert_close, check_equivalence
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,9 +43,10 @@ def test_compiled_dtensor_step_matches_the_reference_under_dp_tp_sp_and_zero3_tp
                       clip_norm=0.5, runtime="multiprocess", stages=gpt.stages, jit=True, jit_backend="aot_eager")
 
 
-def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list:
-    """(graphs compiled so far, graph breaks so far) after each of ``steps`` compiled steps, then whether every step
-    counted the same collectives as the eager step (``count_comms``, on by default, around the compiled blocks)."""
+def _counted_steps(layout: str, mesh: Mesh, steps: int) -> dict:
+    """After each of ``steps`` compiled steps: (graphs compiled so far, graph breaks so far), whether it counted the
+    same collectives as the eager step (``count_comms``, on by default), and its loss beside an eager twin's; then
+    the error a shorter batch raises."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -54,53 +55,55 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list:
     make = functools.partial(shardings.train_step, gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
                              accum_steps=2, clip_norm=0.5)
     step, eager = make(jit=True, jit_backend="aot_eager"), make()
-    state, batch, seen = step.init(params), gpt.example_batch(CFG, 8), []
-    want = eager(params, eager.init(params), batch)[2]["comm"]
-    same_comms = []
+    batch, out = gpt.example_batch(CFG, 8), {"counts": [], "same_comms": [], "losses": []}
+    compiled, twin = (params, step.init(params)), (params, eager.init(params))
     for _ in range(steps):
-        params, state, metrics = step(params, state, batch)
-        seen.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
-        same_comms.append(metrics["comm"] == want)
-    seen.append(same_comms)
-    short = gpt.example_batch(dataclasses.replace(CFG, seq_len=16), 8)
+        *compiled, metrics = step(*compiled, batch)
+        *twin, want = eager(*twin, batch)
+        out["counts"].append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+        out["same_comms"].append(metrics["comm"] == want["comm"])
+        out["losses"].append((metrics["loss"], want["loss"]))
     try:
-        step(params, state, short)
-        seen.append("no error")
+        step(*compiled, gpt.example_batch(dataclasses.replace(CFG, seq_len=16), 8))
+        out["error"] = "no error"
     except ShardingError as e:
-        seen.append(str(e))
-    return seen
+        out["error"] = str(e)
+    return out
 
 
 def _counts_and_errors() -> dict:
     out = {layout: _counted_steps(layout, mesh, 2 + WARMUP_STEPS)
-           for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)))}
-    mesh = Mesh(cp=2)
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="cp", mesh=mesh)
-    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="cp", mesh=mesh, jit=True,
+           for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)), ("cp", Mesh(cp=2)))}
+    mesh = Mesh(pp=2)
+    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="pp", mesh=mesh)
+    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="pp", mesh=mesh, jit=True,
                                 count_comms=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = step.init(params)
         for _ in range(2):
             params, state, metrics = step(params, state, gpt.example_batch(CFG, 8))
-    out["cp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
-    out["cp_loss"] = metrics["loss"]
+    out["pp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    out["pp_loss"] = metrics["loss"]
     return out
 
 
-def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_cp_fallback_warning():
+def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_pp_fallback_warning():
     got = launch(_counts_and_errors, 2)[0]
-    for layout in ("zero3", "tp+sp"):
-        *counts, same_comms, error = got[layout]
+    for layout in ("zero3", "tp+sp", "cp"):
+        run = got[layout]
         # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
-        assert counts == [(1, 0)] * len(counts), (layout, counts)
+        assert run["counts"] == [(1, 0)] * len(run["counts"]), (layout, run["counts"])
+        error = run["error"]
         assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
-        # the local path's collectives, eager around the graphs, are the eager step's; the DTensor path's tp/sp
+        # the local path's collectives, eager around the graphs, are the eager step's; the DTensor path's tp/sp/cp
         # collectives run inside the graphs, where the comms count (a dispatch mode) does not see them
-        assert same_comms == [layout == "zero3"] * len(counts), (layout, same_comms)
-    # cp (ring attention) runs eagerly, said once with the warning's class, and still trains
-    assert len(got["cp"]) == 1 and "runs eagerly" in got["cp"][0], got["cp"]
-    assert 0 < got["cp_loss"] < 10
+        assert run["same_comms"] == [layout == "zero3"] * len(run["counts"]), (layout, run["same_comms"])
+        jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
+        assert_close(jit_losses, eager_losses, terms=8 * CFG.seq_len, msg=f"{layout}: jit vs eager losses")
+    # pp runs eagerly, said once with the warning's class, and still trains
+    assert len(got["pp"]) == 1 and "runs eagerly" in got["pp"][0], got["pp"]
+    assert 0 < got["pp_loss"] < 10
 
 
 def test_jit_under_simulated_ranks_is_a_clear_error():
