@@ -7,8 +7,8 @@ Everything around the graphs stays eager, as FSDP2's hooks stay eager around tor
 local path's bucketed all-gathers, reduce-scatters and all-reduces (:mod:`shardings.step.local_step`) are launched
 from the same hooks, at the same points of backward, so they overlap with it exactly as in the eager step.
 
-On the DTensor path (tp, sp and their compositions with the data-parallel presets) the block's DTensor ops are
-traced: its tp/sp collectives (``constrain``'s redistributions) become functional collectives inside the graph,
+On the DTensor path (tp, sp, cp and their compositions with the data-parallel presets) the block's DTensor ops are
+traced: its tp/sp/cp collectives (``constrain``'s redistributions) become functional collectives inside the graph,
 as torch's DTensor compile support lowers them (torchtitan's compiled TP blocks).
 
 What makes a block traceable:
@@ -29,8 +29,7 @@ some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the
 ``fail_on_recompile_limit_hit``, so any other recompile is an error, never a silent slow step.
 
 Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): layouts with a
-preset outside :data:`DTENSOR_PRESETS` (cp: ring attention's autograd function binds the mesh in backward, a
-side effect dynamo refuses; ep; hand-made layouts) and pipelined layouts. Simulated ranks
+preset outside :data:`DTENSOR_PRESETS` (ep; hand-made layouts) and pipelined layouts. Simulated ranks
 cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in torch 2.13): a
 ``ShardingError``.
 """
@@ -137,7 +136,8 @@ class Compiled:
             self.warned = True
             warnings.warn(CompileFallbackWarning(
                 f"train_step(jit=True): {why}; this step runs eagerly (same results, no compiled graphs). "
-                "Fix: pass jit=False to silence this, or a layout of presets dp, zero1/2/3, hsdp, tp, sp to compile"),
+                "Fix: pass jit=False to silence this, or, to compile, a layout without pp made of the presets "
+                f"{', '.join(sorted(DTENSOR_PRESETS))}"),
                 stacklevel=4)
 
     def compiles(self, layout: Layout, local: bool) -> bool:
@@ -150,7 +150,7 @@ class Compiled:
         if local or (layout.presets and set(layout.presets) <= DTENSOR_PRESETS):
             return True
         self.fallback(f"layout {layout.name!r} runs on DTensors with presets outside {sorted(DTENSOR_PRESETS)} "
-                      "(cp, ep, hand-made layouts), whose per-op layer does not compile yet (docs/performance.md)")
+                      "(ep, hand-made layouts), whose per-op layer does not compile yet (docs/performance.md)")
         return False
 
     def check_ranks(self) -> None:
