@@ -7,9 +7,10 @@ Everything around the graphs stays eager, as FSDP2's hooks stay eager around tor
 local path's bucketed all-gathers, reduce-scatters and all-reduces (:mod:`shardings.step.local_step`) are launched
 from the same hooks, at the same points of backward, so they overlap with it exactly as in the eager step.
 
-On the DTensor path (tp, sp, cp and their compositions with the data-parallel presets) the block's DTensor ops are
-traced: its tp/sp/cp collectives (``constrain``'s redistributions) become functional collectives inside the graph,
-as torch's DTensor compile support lowers them (torchtitan's compiled TP blocks).
+On the DTensor path (tp, sp, cp, ep and their compositions with the data-parallel presets) the block's DTensor ops
+are traced: its tp/sp/cp/ep collectives (``constrain``'s redistributions, ring attention's and MoE dispatch's
+``shard_map`` collectives) become functional collectives inside the graph, as torch's DTensor compile support lowers
+them (torchtitan's compiled TP blocks).
 
 What makes a block traceable:
 
@@ -28,10 +29,10 @@ some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the
 :data:`WARMUP_STEPS` on, the step runs under ``torch.compiler.set_stance("fail_on_recompile")`` with
 ``fail_on_recompile_limit_hit``, so any other recompile is an error, never a silent slow step.
 
-Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): layouts with a
-preset outside :data:`DTENSOR_PRESETS` (ep; hand-made layouts) and pipelined layouts. Simulated ranks
-cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in torch 2.13): a
-``ShardingError``.
+Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): layouts on the
+DTensor path with a preset outside :data:`DTENSOR_PRESETS` (offload; hand-made layouts: no presets) and pipelined
+layouts. Simulated ranks cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in
+torch 2.13): a ``ShardingError``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ __all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compile
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
 # The presets whose compositions compile on the DTensor path (the local path's layouts always do).
-DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp"})
+DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep"})
 
 
 class CompileFallbackWarning(UserWarning):
@@ -150,7 +151,7 @@ class Compiled:
         if local or (layout.presets and set(layout.presets) <= DTENSOR_PRESETS):
             return True
         self.fallback(f"layout {layout.name!r} runs on DTensors with presets outside {sorted(DTENSOR_PRESETS)} "
-                      "(ep, hand-made layouts), whose per-op layer does not compile yet (docs/performance.md)")
+                      "(hand-made layouts, offload), whose per-op layer does not compile yet (docs/performance.md)")
         return False
 
     def check_ranks(self) -> None:

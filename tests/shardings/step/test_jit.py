@@ -10,13 +10,14 @@ one launch that runs all its cases in sequence.
 import dataclasses
 import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
 
 import core
 import shardings
-from models import gpt
+from models import gpt, moe
 from shardings import Mesh, launch
 from shardings.spec.errors import ShardingError
 from shardings.step.compiled import WARMUP_STEPS, CompileFallbackWarning
@@ -25,6 +26,7 @@ from shardings.testing import assert_close, check_equivalence
 pytestmark = pytest.mark.multiprocess
 
 CFG = gpt.Config(vocab=256, dim=64, layers=2, heads=4, seq_len=32)
+MOE = moe.Config(vocab=256, dim=64, layers=2, heads=4, seq_len=32, experts=4, top_k=2)  # block 0 dense, 1 MoE
 
 
 def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accumulation_and_clipping():
@@ -43,7 +45,7 @@ def test_compiled_dtensor_step_matches_the_reference_under_dp_tp_sp_and_zero3_tp
                       clip_norm=0.5, runtime="multiprocess", stages=gpt.stages, jit=True, jit_backend="aot_eager")
 
 
-def _counted_steps(layout: str, mesh: Mesh, steps: int) -> dict:
+def _counted_steps(layout: str, mesh: Mesh, steps: int, model: Any = gpt, cfg: Any = CFG) -> dict:
     """After each of ``steps`` compiled steps: (graphs compiled so far, graph breaks so far), whether it counted the
     same collectives as the eager step (``count_comms``, on by default), and its loss beside an eager twin's; then
     the error a shorter batch raises."""
@@ -51,11 +53,11 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
-    make = functools.partial(shardings.train_step, gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
+    params = shardings.init(model.init, core.random.key(0), cfg, axes=model.axes(cfg), layout=layout, mesh=mesh)
+    make = functools.partial(shardings.train_step, model.stages(cfg), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
                              accum_steps=2, clip_norm=0.5)
     step, eager = make(jit=True, jit_backend="aot_eager"), make()
-    batch, out = gpt.example_batch(CFG, 8), {"counts": [], "same_comms": [], "losses": []}
+    batch, out = model.example_batch(cfg, 8), {"counts": [], "same_comms": [], "losses": []}
     compiled, twin = (params, step.init(params)), (params, eager.init(params))
     for _ in range(steps):
         *compiled, metrics = step(*compiled, batch)
@@ -64,7 +66,7 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int) -> dict:
         out["same_comms"].append(metrics["comm"] == want["comm"])
         out["losses"].append((metrics["loss"], want["loss"]))
     try:
-        step(*compiled, gpt.example_batch(dataclasses.replace(CFG, seq_len=16), 8))
+        step(*compiled, model.example_batch(dataclasses.replace(cfg, seq_len=16), 8))
         out["error"] = "no error"
     except ShardingError as e:
         out["error"] = str(e)
@@ -74,6 +76,7 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int) -> dict:
 def _counts_and_errors() -> dict:
     out = {layout: _counted_steps(layout, mesh, 2 + WARMUP_STEPS)
            for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)), ("cp", Mesh(cp=2)))}
+    out["ep"] = _counted_steps("ep", Mesh(ep=2), 2 + WARMUP_STEPS, moe, MOE)
     mesh = Mesh(pp=2)
     params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="pp", mesh=mesh)
     step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="pp", mesh=mesh, jit=True,
@@ -90,14 +93,16 @@ def _counts_and_errors() -> dict:
 
 def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_pp_fallback_warning():
     got = launch(_counts_and_errors, 2)[0]
-    for layout in ("zero3", "tp+sp", "cp"):
+    for layout in ("zero3", "tp+sp", "cp", "ep"):
         run = got[layout]
-        # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
-        assert run["counts"] == [(1, 0)] * len(run["counts"]), (layout, run["counts"])
+        # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added.
+        # ep's model has two kinds of block (dense, MoE): one graph each
+        graphs = 2 if layout == "ep" else 1
+        assert run["counts"] == [(graphs, 0)] * len(run["counts"]), (layout, run["counts"])
         error = run["error"]
         assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
-        # the local path's collectives, eager around the graphs, are the eager step's; the DTensor path's tp/sp/cp
-        # collectives run inside the graphs, where the comms count (a dispatch mode) does not see them
+        # the local path's collectives, eager around the graphs, are the eager step's; the DTensor path's
+        # tp/sp/cp/ep collectives run inside the graphs, where the comms count (a dispatch mode) does not see them
         assert run["same_comms"] == [layout == "zero3"] * len(run["counts"]), (layout, run["same_comms"])
         jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
         assert_close(jit_losses, eager_losses, terms=8 * CFG.seq_len, msg=f"{layout}: jit vs eager losses")
