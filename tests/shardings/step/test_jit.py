@@ -37,11 +37,12 @@ def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accu
                                 jit=True, jit_backend="aot_eager")
 
 
-def test_compiled_dtensor_step_matches_the_reference_under_dp_tp_sp_and_zero3_tp_sp():
+def test_compiled_dtensor_step_matches_the_reference_under_zero3_tp_sp():
     # the DTensor path: constrain, the local einsums, blockwise norms/RoPE and attention's shard_map traced into one
-    # graph per block; ZeRO-3's bucket gathered before the block. One launch, accumulation, clipping, 3 AdamW steps
+    # graph per block; ZeRO-3's bucket gathered before the block. Accumulation, clipping, 3 AdamW steps. tp+sp alone
+    # (no gather) is compared with its eager twin below, and eager tp+sp with the reference elsewhere
     check_equivalence(gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 8),
-                      layouts=["dp+tp+sp", "zero3+tp+sp"], mesh=Mesh(dp=2, tp=2), steps=3, accum_steps=2,
+                      layouts=["zero3+tp+sp"], mesh=Mesh(dp=2, tp=2), steps=3, accum_steps=2,
                       clip_norm=0.5, runtime="multiprocess", stages=gpt.stages, jit=True, jit_backend="aot_eager")
 
 
@@ -74,24 +75,25 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int, model: Any = gpt, cfg: A
 
 
 def _counts_and_errors() -> dict:
-    out = {layout: _counted_steps(layout, mesh, 2 + WARMUP_STEPS)
+    out = {layout: _counted_steps(layout, mesh, WARMUP_STEPS + 1)  # the last one under fail_on_recompile
            for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)), ("cp", Mesh(cp=2)))}
-    out["ep"] = _counted_steps("ep", Mesh(ep=2), 2 + WARMUP_STEPS, moe, MOE)
-    mesh = Mesh(pp=2)
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="pp", mesh=mesh)
-    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="pp", mesh=mesh, jit=True,
+    out["ep"] = _counted_steps("ep", Mesh(ep=2), WARMUP_STEPS + 1, moe, MOE)
+    # a layout that falls back: offload on the DTensor path (pp falls back by the same call, and costs ~30 s more)
+    mesh, layout = Mesh(tp=2), "tp+offload_optimizer"
+    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
+    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh, jit=True,
                                 count_comms=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = step.init(params)
         for _ in range(2):
             params, state, metrics = step(params, state, gpt.example_batch(CFG, 8))
-    out["pp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
-    out["pp_loss"] = metrics["loss"]
+    out["fallback"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    out["fallback_loss"] = metrics["loss"]
     return out
 
 
-def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_pp_fallback_warning():
+def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning():
     got = launch(_counts_and_errors, 2)[0]
     for layout in ("zero3", "tp+sp", "cp", "ep"):
         run = got[layout]
@@ -106,9 +108,9 @@ def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_pp_fallb
         assert run["same_comms"] == [layout == "zero3"] * len(run["counts"]), (layout, run["same_comms"])
         jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
         assert_close(jit_losses, eager_losses, terms=8 * CFG.seq_len, msg=f"{layout}: jit vs eager losses")
-    # pp runs eagerly, said once with the warning's class, and still trains
-    assert len(got["pp"]) == 1 and "runs eagerly" in got["pp"][0], got["pp"]
-    assert 0 < got["pp_loss"] < 10
+    # a layout that does not compile runs eagerly, said once with the warning's class, and still trains
+    assert len(got["fallback"]) == 1 and "runs eagerly" in got["fallback"][0], got["fallback"]
+    assert 0 < got["fallback_loss"] < 10
 
 
 def test_jit_under_simulated_ranks_is_a_clear_error():
