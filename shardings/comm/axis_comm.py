@@ -26,19 +26,31 @@ from shardings.spec.mesh import Mesh, register_group
 
 AxisName = str | tuple[str, ...]
 
-# Per thread, the meshes of the shard_map calls running right now, innermost last.
-_STATE = threading.local()
+class _State(threading.local):
+    """Per thread, the meshes of the shard_map calls running right now, innermost last. Made when a thread first
+    reads it, so a compiled block that binds a mesh sees the same attributes on every call (no recompile)."""
+
+    def __init__(self) -> None:
+        self.meshes: list[Mesh] = []
+
+
+_STATE = _State()
 
 
 def _meshes() -> list[Mesh]:
-    if not hasattr(_STATE, "meshes"):
-        _STATE.meshes = []
     return _STATE.meshes
 
 
 @contextlib.contextmanager
 def bind_mesh(mesh: Mesh) -> Iterator[None]:
-    """Make ``mesh``'s axis names callable by collectives in the body (``shard_map`` uses this)."""
+    """Make ``mesh``'s axis names callable by collectives in the body (``shard_map`` uses this).
+
+    Traced, binding the innermost mesh again is a no-op: an autograd function's backward that names its axes
+    (ring attention's) is traced by dynamo right after its forward, inside the same ``shard_map``, where a push
+    on the stack would be a side effect dynamo refuses."""
+    if torch.compiler.is_compiling() and _meshes() and _meshes()[-1] == mesh:
+        yield
+        return
     _meshes().append(mesh)
     try:
         yield
@@ -123,6 +135,8 @@ def _resolve(axis_name: AxisName, op: str) -> _Axis:
 
 def _on_each_rank(ax: _Axis, fn: Callable[[int], Any]) -> Any:
     """``fn(axis index)`` for this rank: one value per simulated rank under ``simulate``."""
+    if torch.compiler.is_compiling():  # real ranks only (train_step refuses to compile simulated ones)
+        return fn(ax.index_of(ax.mesh.device_mesh.get_rank()))
     return maybe_run_for_local_tensor(lambda rank: fn(ax.index_of(rank)))(ax.mesh.device_mesh.get_rank())
 
 

@@ -150,7 +150,7 @@ def _global_value(y: Any, spec: P | None, mesh: Mesh, path: str) -> Any:
             cls=TypeError,
         )
     placements: tuple[Placement, ...] = to_placements(spec, mesh, y.ndim, path=path)
-    replicas = math.prod(size for name, size in mesh.shape.items() if name not in (spec or P()).axes)
+    replicas = math.prod([size for name, size in mesh.shape.items() if name not in (spec or P()).axes])
     if replicas > 1 and y.requires_grad:
         y = _ScaleGrad.apply(y, 1.0 / replicas)
     return DTensor.from_local(y, mesh.device_mesh, placements, run_check=False)
@@ -191,7 +191,6 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) 
             f"shard_map expected a shardings.Mesh, got {type(mesh).__name__}", fix="pass Mesh(...)", cls=TypeError
         )
 
-    @functools.wraps(f)
     def mapped(*args: Any) -> Any:
         specs = _specs_per_leaf(in_specs, args, "in_specs", "args", mesh)
         flat, treedef = tree.flatten_with_path(args)
@@ -204,4 +203,5 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) 
             treedef, [_global_value(y, s, mesh, f"outputs{tree.keystr(p)}") for (p, y), s in zip(flat, specs)]
         )
 
-    return mapped
+    # traced (a shard_map built inside a compiled block, as attention's): dynamo cannot copy f's __dict__
+    return mapped if torch.compiler.is_compiling() else functools.wraps(f)(mapped)

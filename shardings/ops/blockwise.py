@@ -74,7 +74,20 @@ def blockwise(
     grads = _grad_placements(x, args, whole)
     if grads is None:
         return f(x, *args)
+    if torch.compiler.is_compiling():
+        return _traced_blockwise(f, grads, x, *args)
     return _Blockwise.apply(f, transpose, grads, x, *args)
+
+
+def _traced_blockwise(f: Callable[..., torch.Tensor], grads: list[tuple[Placement, ...]], x: DTensor,
+                      *args: DTensor) -> DTensor:
+    """:class:`_Blockwise` as torch.compile traces it (``train_step(jit=True)``): ``f`` on the blocks between
+    DTensor's own ``to_local``/``from_local``, whose backward lays the gradients out as :class:`_Blockwise`'s
+    does (``x``'s like ``x``, each weight's as ``grads`` says); what backward saves or recomputes is the
+    compiler's choice."""
+    blocks = [t.to_local(grad_placements=g) for t, g in zip((x, *args), (x.placements, *grads), strict=True)]
+    out = _checked(f(*blocks), blocks[0])
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 class _Blockwise(torch.autograd.Function):
@@ -89,13 +102,7 @@ class _Blockwise(torch.autograd.Function):
         ctx.layouts = [(t.device_mesh, p, tuple(t.shape)) for t, p in zip(inputs, (x.placements, *grads))]
         if transpose is None:
             ctx.save_for_backward(*inputs)
-        out = f(*(t._local_tensor for t in inputs))
-        if out.shape != x._local_tensor.shape:
-            raise ValueError(
-                f"blockwise: f returned a block of shape {tuple(out.shape)} for an input block of shape "
-                f"{tuple(x._local_tensor.shape)}; f must keep the shape of x. Fix: compute shape-changing steps "
-                "outside blockwise."
-            )
+        out = _checked(f(*(t._local_tensor for t in inputs)), x._local_tensor)
         return wrap_block(out, x.device_mesh, x.placements, tuple(x.shape))
 
     @staticmethod
@@ -114,6 +121,16 @@ class _Blockwise(torch.autograd.Function):
                 local = iter(torch.autograd.grad(out, wanted, grad._local_tensor) if wanted else ())
         grads = (wrap_block(next(local), *layout) if need else None for layout, need in zip(ctx.layouts, needs))
         return None, None, None, *grads
+
+
+def _checked(out: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """``out``, which ``f`` returned for ``x``'s local ``block``; raises unless it has the block's shape."""
+    if out.shape != block.shape:
+        raise ValueError(
+            f"blockwise: f returned a block of shape {tuple(out.shape)} for an input block of shape "
+            f"{tuple(block.shape)}; f must keep the shape of x. Fix: compute shape-changing steps outside blockwise."
+        )
+    return out
 
 
 def _grad_placements(x: Any, args: tuple[Any, ...], whole: tuple[int, ...]) -> list[tuple[Placement, ...]] | None:

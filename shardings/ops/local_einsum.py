@@ -78,6 +78,8 @@ def einsum(*tensors_and_pattern: torch.Tensor | str) -> torch.Tensor:
     if any(isinstance(x, DTensor) for x in operands):
         plan = _plan_for(pattern, operands)
         if plan is not None:
+            if torch.compiler.is_compiling():
+                return _traced_local_einsum(pattern, plan, operands)
             return _LocalEinsum.apply(pattern, plan, *operands)
         return einops.einsum(*operands, pattern)
     return _einsum_plain(pattern, *operands)
@@ -121,6 +123,18 @@ class _LocalEinsum(torch.autograd.Function):
                 local = einops.repeat(local, f"{' '.join(kept)} -> {' '.join(letters)}", **sizes)
             grads.append(wrap_block(local, x.device_mesh, plan.grad_placements[i], tuple(x.shape)))
         return None, None, *grads
+
+
+def _traced_local_einsum(pattern: str, plan: _Plan, operands: list[DTensor]) -> DTensor:
+    """:class:`_LocalEinsum` as torch.compile traces it (``train_step(jit=True)``): the same blocks and layouts
+    through DTensor's own ``to_local``/``from_local``, whose backward is the einsum transpose the plan lays out:
+    the output cotangent goes to the output's placements with ``Partial`` -> replicated (``from_local``), each
+    operand's gradient block comes back with the plan's placements (``to_local(grad_placements=...)``). Eagerly
+    those two autograd nodes and their checks cost more than the small einsums they wrap: hence the function."""
+    blocks = [x.to_local(grad_placements=g) for x, g in zip(operands, plan.grad_placements, strict=True)]
+    out = _einsum_plain(pattern, *blocks)
+    return DTensor.from_local(out, operands[0].device_mesh, plan.out_placements, run_check=False,
+                              shape=plan.out_shape, stride=_global_stride(out, plan.out_shape))
 
 
 def _einsum_per_rank(pattern: str, *blocks: torch.Tensor) -> torch.Tensor:
@@ -199,7 +213,8 @@ def _plan_for(pattern: str, operands: list[torch.Tensor]) -> _Plan | None:
         return None
     mesh = mesh_of(operands[0])
     layouts = tuple((tuple(x.placements), tuple(x.shape)) for x in operands)
-    return _plan(pattern, mesh, layouts)
+    # traced: the uncached function, which dynamo runs at trace time (the graph holds only its result)
+    return (_plan.__wrapped__ if torch.compiler.is_compiling() else _plan)(pattern, mesh, layouts)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -285,7 +285,7 @@ def _check_attention(name: str, sub: nn.Module) -> None:
             if not isinstance(x, DTensor):
                 continue
             splits = [i for i, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == 0]
-            ranks = math.prod(x.device_mesh.size(i) for i in splits)
+            ranks = math.prod([x.device_mesh.size(i) for i in splits])
             if sub.num_heads % ranks:
                 axes = tuple(x.device_mesh.mesh_dim_names[i] for i in splits)
                 raise sharding_error(

@@ -65,7 +65,7 @@ def logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _an_empty_block(x: DTensor, dim: int) -> bool:
-    blocks = math.prod(x.device_mesh.size(m) for m, p in enumerate(x.placements) if p.is_shard(dim))
+    blocks = math.prod([x.device_mesh.size(m) for m, p in enumerate(x.placements) if p.is_shard(dim)])
     per_block = -(-x.shape[dim] // blocks)  # torch.chunk's sizes: the last blocks may be short or empty
     return -(-x.shape[dim] // per_block) < blocks
 
@@ -91,7 +91,7 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _block_nll(x, labels, _vocab_ids(x), None)
     if isinstance(labels, DTensor):
         vocab_dims = tuple(m for m, p in enumerate(x.placements) if p.is_shard(x.ndim - 1))
-        blocks = math.prod(x.device_mesh.size(m) for m in vocab_dims)
+        blocks = math.prod([x.device_mesh.size(m) for m in vocab_dims])
         plain = all(type(p) in (Shard, Replicate) for p in x.placements)
         if vocab_dims and plain and x.shape[-1] % blocks == 0:
             dm = x.device_mesh

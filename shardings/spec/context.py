@@ -159,7 +159,9 @@ def constrain(x: torch.Tensor, names_or_spec: P | Sequence[str | None]) -> torch
     shape = tuple(x.shape)
     if isinstance(names_or_spec, P | tuple | list):
         is_spec = isinstance(names_or_spec, P)
-        spec, placements = _layout(ctx, is_spec, names_or_spec if is_spec else tuple(names_or_spec), shape)
+        # traced: the uncached function, which dynamo runs at trace time (the graph holds only its result)
+        layout = _layout.__wrapped__ if torch.compiler.is_compiling() else _layout
+        spec, placements = layout(ctx, is_spec, names_or_spec if is_spec else tuple(names_or_spec), shape)
     else:  # not a spec or names: _spec_for says what is wrong
         spec = _spec_for(shape, names_or_spec, ctx)
         placements = to_placements(spec, ctx.mesh, shape)

@@ -51,7 +51,7 @@ def _split_factors(axes: tuple[str, ...], mesh: Mesh) -> dict[str, int]:
     index = {name: i for i, name in enumerate(mesh.device_axes)}
     shape = mesh.shape
     return {
-        name: math.prod(shape[earlier] for earlier in axes[:k] if index[earlier] > index[name])
+        name: math.prod([shape[earlier] for earlier in axes[:k] if index[earlier] > index[name]])
         for k, name in enumerate(axes)
     }
 
@@ -116,7 +116,7 @@ def _axis_order(dim: int, factors: dict[int, int], mesh: Mesh, placements: Any) 
     sizes = [mesh.shape[n] for n in mesh.device_axes]
     order: list[int] = []
     for m in sorted(factors, reverse=True):
-        slot = next((k for k in range(len(order) + 1) if math.prod(sizes[j] for j in order[:k]) == factors[m]), None)
+        slot = next((k for k in range(len(order) + 1) if math.prod([sizes[j] for j in order[:k]]) == factors[m]), None)
         if slot is None:
             raise sharding_error(
                 f"the placements {tuple(placements)} split dim {dim} in an order no P can express",
@@ -299,5 +299,11 @@ def on_mesh(x: torch.Tensor, mesh: Mesh, *, what: str, fix: str, path: Any = Non
 
 
 def constrain_to(x: DTensor, placements: Sequence[Placement]) -> DTensor:
-    """``x`` redistributed to ``placements``, with the gradient laid out like ``x`` in backward."""
+    """``x`` redistributed to ``placements``, with the gradient laid out like ``x`` in backward.
+
+    Traced (``train_step(jit=True)``): ``DTensor.redistribute``, which dynamo traces and whose backward is the
+    same (the cotangent to ``x``'s placements, ``Partial`` -> replicated), an autograd node even when the
+    placements already agree."""
+    if torch.compiler.is_compiling():
+        return x.redistribute(x.device_mesh, tuple(placements))
     return _Constrain.apply(x, tuple(placements))

@@ -106,7 +106,7 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return math.prod(self._shape.values())
+        return math.prod(list(self._shape.values()))
 
     def axis_size(self, axes: Entry) -> int:
         """Number of ranks along one axis or a tuple of axes (1 for ``None``)."""
@@ -114,7 +114,7 @@ class Mesh:
         for name in names:
             if name not in self._shape:
                 raise sharding_error(f"unknown mesh axis {name!r}", fix=f"use one of {self.axis_names}", mesh=self)
-        return math.prod(self._shape[n] for n in names)
+        return math.prod([self._shape[n] for n in names])
 
     @property
     def device_axes(self) -> tuple[str, ...]:

@@ -7,22 +7,32 @@ Everything around the graphs stays eager, as FSDP2's hooks stay eager around tor
 local path's bucketed all-gathers, reduce-scatters and all-reduces (:mod:`shardings.step.local_step`) are launched
 from the same hooks, at the same points of backward, so they overlap with it exactly as in the eager step.
 
+On the DTensor path (tp, sp, cp, ep and their compositions with the data-parallel presets) the block's DTensor ops
+are traced: its tp/sp/cp/ep collectives (``constrain``'s redistributions, ring attention's and MoE dispatch's
+``shard_map`` collectives) become functional collectives inside the graph, as torch's DTensor compile support lowers
+them (torchtitan's compiled TP blocks).
+
 What makes a block traceable:
 
 - the active mesh lookup: :func:`shardings.spec.context.current` reads a dynamo-visible global while tracing;
 - ZeRO-3's gathered parameters: a block's placeholders are resolved (its bucket gathered) *before* the compiled
   block is entered, FSDP2's pre-forward position, so no parameter placeholder reaches the graph; the
-  re-gather bookkeeping autograd calls (saved-tensor hooks) is ``torch.compiler.disable``d.
+  re-gather bookkeeping autograd calls (saved-tensor hooks) is ``torch.compiler.disable``d;
+- shardings' per-op layer, while dynamo traces: the plan lookups run uncached at trace time, and the local einsum,
+  ``blockwise`` and ``constrain`` take DTensor's own ``to_local``/``from_local``/``redistribute`` (the same blocks,
+  layouts and backward) instead of their autograd functions that build DTensors by hand;
+- DTensor's ``compute_global_tensor_info`` (C in torch 2.13, called by ``to_local``'s backward): a Python
+  polyfill for dynamo (:func:`_global_tensor_info`).
 
 Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
 some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step
 :data:`WARMUP_STEPS` on, the step runs under ``torch.compiler.set_stance("fail_on_recompile")`` with
 ``fail_on_recompile_limit_hit``, so any other recompile is an error, never a silent slow step.
 
-Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): the DTensor
-path (tp, sp, cp, ep: shardings' per-op layer is not traceable yet) and pipelined layouts. Simulated ranks
-cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in torch 2.13): a
-``ShardingError``.
+Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): layouts on the
+DTensor path with a preset outside :data:`DTENSOR_PRESETS` (offload; hand-made layouts: no presets) and pipelined
+layouts. Simulated ranks cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in
+torch 2.13): a ``ShardingError``.
 """
 
 from __future__ import annotations
@@ -40,16 +50,37 @@ from shardings.pipeline import Stages
 from shardings.runtime.compat import disable_current_modes
 from shardings.runtime.simulate import simulated
 from shardings.spec.errors import ShardingError, sharding_error
+from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.placeholder import resolve
 
-__all__ = ["WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
+__all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
+# The presets whose compositions compile on the DTensor path (the local path's layouts always do).
+DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep"})
 
 
 class CompileFallbackWarning(UserWarning):
     """``train_step(jit=True)`` runs this layout's step eagerly: its path cannot be compiled yet."""
+
+
+@torch._dynamo.decorators.substitute_in_graph(torch._C._DTensor_compute_global_tensor_info, skip_signature_check=True)
+def _global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tuple[list[int], list[int]]:
+    """What dynamo runs for DTensor's ``compute_global_tensor_info``: the global shape and stride of a local
+    block. torch 2.13 made it a C function, which dynamo cannot trace, and calls it in the backward of
+    ``DTensor.to_local`` and in ``DTensor.from_local`` without ``shape``: each such call in a compiled block was a
+    graph break (findings §2). This is the Python version torch had before (Shard, Replicate, Partial)."""
+    shape, stride = list(tensor.size()), list(tensor.stride())
+    for m, placement in enumerate(placements):
+        n = mesh.size(m)
+        if placement.is_shard():
+            dim = placement.dim
+            shape[dim] *= n
+            stride = [s * n if i != dim and s >= stride[dim] else s for i, s in enumerate(stride)]
+        elif not (placement.is_replicate() or placement.is_partial()):
+            raise RuntimeError(f"placement type {type(placement)} not supported!")
+    return shape, stride
 
 
 def _resolved(tree_: Any) -> Any:
@@ -106,8 +137,22 @@ class Compiled:
             self.warned = True
             warnings.warn(CompileFallbackWarning(
                 f"train_step(jit=True): {why}; this step runs eagerly (same results, no compiled graphs). "
-                "Fix: pass jit=False to silence this, or a data-parallel layout (dp, zero1/2/3, hsdp) to compile"),
+                "Fix: pass jit=False to silence this, or, to compile, a layout without pp made of the presets "
+                f"{', '.join(sorted(DTENSOR_PRESETS))}"),
                 stacklevel=4)
+
+    def compiles(self, layout: Layout, local: bool) -> bool:
+        """Whether ``layout``'s step runs the compiled loss (else it warns, once, and runs eagerly); raises under
+        simulated ranks. ``local``: the step runs on the local path (plain tensors), which always compiles."""
+        self.check_ranks()
+        if layout.pipelined:
+            self.fallback(f"layout {layout.name!r} pipelines the model's blocks (pp), whose stages do not compile yet")
+            return False
+        if local or (layout.presets and set(layout.presets) <= DTENSOR_PRESETS):
+            return True
+        self.fallback(f"layout {layout.name!r} runs on DTensors with presets outside {sorted(DTENSOR_PRESETS)} "
+                      "(hand-made layouts, offload), whose per-op layer does not compile yet (docs/performance.md)")
+        return False
 
     def check_ranks(self) -> None:
         """Raise under simulated ranks: their tensors (``LocalTensorMode``) cannot be compiled."""

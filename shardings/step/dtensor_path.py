@@ -43,10 +43,12 @@ def _reducer(placements: Any, cast: Cast) -> Callable[[torch.Tensor], torch.Tens
     return lambda g: cast.to_reduce(g).redistribute(g.device_mesh, placements).to(g.dtype)
 
 
-def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
-          scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
+def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any, scale: torch.Tensor | None,
+          compiled: bool = False) -> tuple[torch.Tensor, Any, torch.Tensor]:
     """``(loss, grads, tokens)`` of the global mean loss on a placed ``batch``; grads reduced into the optimizer
-    state's placements. ``scale``: backward runs on the loss times it."""
+    state's placements. ``scale``: backward runs on the loss times it. ``compiled``: the loss runs
+    ``step.compiled``'s graphs (:mod:`shardings.step.compiled`)."""
+    loss_fn = step.compiled.loss_fn if compiled else step.loss_fn
     leaves = [p.detach().requires_grad_(True) for p in tree.leaves(params)]
     reduce_now = reduce_in_backward(plan.placements)
     hooks = [p.register_hook(_reducer(plan.placements["grads"][i], step.cast))
@@ -61,7 +63,7 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
                 compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], step.bucket_mb,
                                                          plan.units, step.cast)
                 compute = [step.cast.to_compute(x) for x in compute]
-                loss = step.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
+                loss = loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                 del compute
                 gathers.close()  # forget every gathered bucket: autograd holds what backward needs
                 scaled = loss if scale is None else loss * scale

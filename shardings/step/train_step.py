@@ -235,17 +235,13 @@ class TrainStep:
 
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
-        if self.compiled is not None:
-            self.compiled.check_ranks()
-            if plan.local is None:  # the DTensor or pipeline path
-                self.compiled.fallback(f"layout {self.layout.name!r} runs on DTensors (model-parallel axes or pp), "
-                                       "whose per-op layer does not compile yet (docs/performance.md)")
+        compiling = self.compiled is not None and self.compiled.compiles(self.layout, local=plan.local is not None)
         if self.layout.pipelined:
             return pipeline_path.grads(self, plan, params, batch, scale)
-        with self.compiled.running(batch) if self.compiled and plan.local else contextlib.nullcontext():
+        with self.compiled.running(batch) if compiling else contextlib.nullcontext():
             batch = self.place_batch(batch)
             if plan.local is None:
-                return dtensor_path.grads(self, plan, params, batch, scale)
+                return dtensor_path.grads(self, plan, params, batch, scale, compiling)
             rows = [tree.map(lambda x: x.to_local(), mb) for mb in self.microbatches(batch)]
             loss_fn = self.compiled.loss_fn if self.compiled else self.loss_fn
             loss, g, tokens = local_step.run(plan.local, self.mesh, loss_fn, plan.treedef, tree.leaves(params),
@@ -397,9 +393,10 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
             (``interleaved_1f1b``, default 2).
         jit: compile the model's compute (:mod:`shardings.step.compiled`): each block of a loss that declares its
             blocks (``models.gpt.stages(cfg)``) one ``torch.compile``d graph, or the whole loss; the collectives stay
-            eager and overlapped around the graphs (torchtitan's per-block recipe). Data-parallel layouts (``dp``,
-            ZeRO, ``hsdp``) compile; the DTensor path and ``pp`` run eagerly with a
-            :class:`~shardings.step.compiled.CompileFallbackWarning`. Needs real ranks (``shardings.launch``).
+            eager and overlapped around the graphs (torchtitan's per-block recipe). Layouts of ``dp``, ZeRO,
+            ``hsdp``, ``tp``, ``sp``, ``cp`` and ``ep`` compile (tp/sp/cp/ep collectives inside the graphs); ``pp``
+            runs eagerly with a :class:`~shardings.step.compiled.CompileFallbackWarning`. Needs real ranks
+            (``shardings.launch``).
             The batch shape must stay fixed; a recompile after the warm-up steps raises a ``ShardingError``.
         jit_backend: ``torch.compile``'s backend under ``jit``: ``"inductor"`` (fused kernels) or ``"aot_eager"``
             (the same graphs without code generation: quick to compile, for tests).

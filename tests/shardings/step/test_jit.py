@@ -10,21 +10,23 @@ one launch that runs all its cases in sequence.
 import dataclasses
 import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
 
 import core
 import shardings
-from models import gpt
+from models import gpt, moe
 from shardings import Mesh, launch
 from shardings.spec.errors import ShardingError
 from shardings.step.compiled import WARMUP_STEPS, CompileFallbackWarning
-from shardings.testing import check_equivalence
+from shardings.testing import assert_close, check_equivalence
 
 pytestmark = pytest.mark.multiprocess
 
 CFG = gpt.Config(vocab=256, dim=64, layers=2, heads=4, seq_len=32)
+MOE = moe.Config(vocab=256, dim=64, layers=2, heads=4, seq_len=32, experts=4, top_k=2)  # block 0 dense, 1 MoE
 
 
 def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accumulation_and_clipping():
@@ -35,60 +37,80 @@ def test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_with_accu
                                 jit=True, jit_backend="aot_eager")
 
 
-def _counted_steps(layout: str, mesh: Mesh, steps: int) -> list:
-    """(graphs compiled so far, graph breaks so far) after each of ``steps`` compiled steps, then whether every step
-    counted the same collectives as the eager step (``count_comms``, on by default, around the compiled blocks)."""
+def test_compiled_dtensor_step_matches_the_reference_under_zero3_tp_sp():
+    # the DTensor path: constrain, the local einsums, blockwise norms/RoPE and attention's shard_map traced into one
+    # graph per block; ZeRO-3's bucket gathered before the block. Accumulation, clipping, 3 AdamW steps. tp+sp alone
+    # (no gather) is compared with its eager twin below, and eager tp+sp with the reference elsewhere
+    check_equivalence(gpt.init, gpt.loss, gpt.axes, CFG, gpt.example_batch(CFG, 8),
+                      layouts=["zero3+tp+sp"], mesh=Mesh(dp=2, tp=2), steps=3, accum_steps=2,
+                      clip_norm=0.5, runtime="multiprocess", stages=gpt.stages, jit=True, jit_backend="aot_eager")
+
+
+def _counted_steps(layout: str, mesh: Mesh, steps: int, model: Any = gpt, cfg: Any = CFG) -> dict:
+    """After each of ``steps`` compiled steps: (graphs compiled so far, graph breaks so far), whether it counted the
+    same collectives as the eager step (``count_comms``, on by default), and its loss beside an eager twin's; then
+    the error a shorter batch raises."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
-    make = functools.partial(shardings.train_step, gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
+    params = shardings.init(model.init, core.random.key(0), cfg, axes=model.axes(cfg), layout=layout, mesh=mesh)
+    make = functools.partial(shardings.train_step, model.stages(cfg), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
                              accum_steps=2, clip_norm=0.5)
     step, eager = make(jit=True, jit_backend="aot_eager"), make()
-    state, batch, seen = step.init(params), gpt.example_batch(CFG, 8), []
-    want = eager(params, eager.init(params), batch)[2]["comm"]
-    same_comms = []
+    batch, out = model.example_batch(cfg, 8), {"counts": [], "same_comms": [], "losses": []}
+    compiled, twin = (params, step.init(params)), (params, eager.init(params))
     for _ in range(steps):
-        params, state, metrics = step(params, state, batch)
-        seen.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
-        same_comms.append(metrics["comm"] == want)
-    seen.append(same_comms)
-    short = gpt.example_batch(dataclasses.replace(CFG, seq_len=16), 8)
+        *compiled, metrics = step(*compiled, batch)
+        *twin, want = eager(*twin, batch)
+        out["counts"].append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+        out["same_comms"].append(metrics["comm"] == want["comm"])
+        out["losses"].append((metrics["loss"], want["loss"]))
     try:
-        step(params, state, short)
-        seen.append("no error")
+        step(*compiled, model.example_batch(dataclasses.replace(cfg, seq_len=16), 8))
+        out["error"] = "no error"
     except ShardingError as e:
-        seen.append(str(e))
-    return seen
+        out["error"] = str(e)
+    return out
 
 
 def _counts_and_errors() -> dict:
-    out = {"zero3": _counted_steps("zero3", Mesh(dp=2), 2 + WARMUP_STEPS)}
-    mesh = Mesh(tp=2)
-    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="tp", mesh=mesh)
-    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout="tp", mesh=mesh, jit=True,
+    out = {layout: _counted_steps(layout, mesh, WARMUP_STEPS + 1)  # the last one under fail_on_recompile
+           for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)), ("cp", Mesh(cp=2)))}
+    out["ep"] = _counted_steps("ep", Mesh(ep=2), WARMUP_STEPS + 1, moe, MOE)
+    # a layout that falls back: offload on the DTensor path (pp falls back by the same call, and costs ~30 s more)
+    mesh, layout = Mesh(tp=2), "tp+offload_optimizer"
+    params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
+    step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh, jit=True,
                                 count_comms=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = step.init(params)
         for _ in range(2):
             params, state, metrics = step(params, state, gpt.example_batch(CFG, 8))
-    out["tp"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
-    out["tp_loss"] = metrics["loss"]
+    out["fallback"] = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    out["fallback_loss"] = metrics["loss"]
     return out
 
 
-def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_dtensor_fallback_warning():
+def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning():
     got = launch(_counts_and_errors, 2)[0]
-    *counts, same_comms, error = got["zero3"]
-    # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added
-    assert counts == [(1, 0)] * len(counts), counts
-    assert same_comms == [True] * len(counts)  # the collectives, eager around the graphs, are the eager step's
-    assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
-    # the DTensor path runs eagerly, said once with the warning's class, and still trains
-    assert len(got["tp"]) == 1 and "runs eagerly" in got["tp"][0], got["tp"]
-    assert 0 < got["tp_loss"] < 10
+    for layout in ("zero3", "tp+sp", "cp", "ep"):
+        run = got[layout]
+        # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added.
+        # ep's model has two kinds of block (dense, MoE): one graph each
+        graphs = 2 if layout == "ep" else 1
+        assert run["counts"] == [(graphs, 0)] * len(run["counts"]), (layout, run["counts"])
+        error = run["error"]
+        assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
+        # the local path's collectives, eager around the graphs, are the eager step's; the DTensor path's
+        # tp/sp/cp/ep collectives run inside the graphs, where the comms count (a dispatch mode) does not see them
+        assert run["same_comms"] == [layout == "zero3"] * len(run["counts"]), (layout, run["same_comms"])
+        jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
+        assert_close(jit_losses, eager_losses, terms=8 * CFG.seq_len, msg=f"{layout}: jit vs eager losses")
+    # a layout that does not compile runs eagerly, said once with the warning's class, and still trains
+    assert len(got["fallback"]) == 1 and "runs eagerly" in got["fallback"][0], got["fallback"]
+    assert 0 < got["fallback_loss"] < 10
 
 
 def test_jit_under_simulated_ranks_is_a_clear_error():
