@@ -213,8 +213,11 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
                               **(pipeline if layout.pipelined else {}))
             state = step.init(params)
             params = step.stored(params)  # as steps after the first see them (zero1/2 + policy: the compute copy)
+            if layout.pipelined:  # the step before holds its unreduced gradients (step.last) through this one
+                params, state, _ = step(params, state, batch)
+            held = step.last.grads if step.last is not None else None
             counter = OpCounter()
-            with peak_memory(roots=(params, state, batch)) as peak, counter, comms() as sent:
+            with peak_memory(roots=(params, state, batch, held)) as peak, counter, comms() as sent:
                 _, _, metrics = step(params, state, batch)
         comm = sent.totals()  # the step's own collectives (no scalar metrics: nothing after them), unrounded
         pipe = metrics.get("pipeline")
