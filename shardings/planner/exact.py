@@ -49,11 +49,12 @@ def _policy(name: str) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], rows: int, precision: str,
-             microbatches: int, optimizer: Any, schedule: str | Schedule | None = None) -> Measured:
+             microbatches: int, optimizer: Any, peak_probe: Schedule | None = None) -> Measured:
+    """One fake step; with ``peak_probe`` (a :func:`busiest_rank` schedule) the second step, run by it."""
     pipelined = layout_of(layout).pipelined
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches,
-                   schedule=(schedule or "gpipe") if pipelined else None)
+                   schedule=(peak_probe or "gpipe") if pipelined else None, second_step=peak_probe is not None)
 
 
 def _values(m: Measured) -> dict[str, Any]:
