@@ -139,7 +139,7 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     saved = _saved(prof, blocks, local_rows / m, t, c, sp, in_flight)
     per_microbatch = _saved(prof, blocks, local_rows / m, t, c, sp, 2) - _saved(prof, blocks, local_rows / m, t, c,
                                                                                  sp, 1)
-    buffers = _buffers(leaves, reps, compute, layout, cand, prof, local_rows / m, split)
+    buffers = _buffers(leaves, reps, compute, DTYPES[cand.precision][1], layout, cand, prof, local_rows / m, split)
     memory = {"params": state["params"], "compute": state["compute"], "grads": state["grads"],
               "opt_state": state["opt_state"], "activations": saved, "buffers": buffers}
     host = sum(memory[r] for r in layout.host)
@@ -314,16 +314,23 @@ def _saved(prof: Profile, blocks: int, rows_mb: float, t: int, c: int, sp: bool,
     return (split(prof.block) * blocks * in_flight + split(prof.edge)) * rows_mb
 
 
-def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, layout: layouts.Layout,
+def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
+             layout: layouts.Layout,
              cand: Candidate, prof: Profile, rows_mb: float, split: int) -> float:
     """Gathered parameters and transient gradients: ZeRO-3 holds two blocks gathered (one prefetched) and their
-    gradients, or under ``pp`` the whole stage gathered for the step; a remat block's activations in backward."""
-    def gathered(group: Any, k: float) -> float:
-        return sum(k * leaf.numel["compute"] * (compute.itemsize if compute and leaf.floating else leaf.itemsize)
-                   for leaf in group if leaf.gather)
+    gradients, or under ``pp`` the whole stage gathered for the step; a remat block's activations in backward.
+    Under ``pp`` a rank also holds its stage's unreduced gradients (compute layout) twice: in compute dtype the ones
+    the microbatches accumulate, next to the step before's, which the step keeps (``TrainStep.last``) until the
+    schedule ends, or their copy in reduce dtype for the reduction after it (the larger: a policy reduces in fp32)."""
+    def gathered(group: Any, k: float, dtype: torch.dtype | None = compute, every: bool = False) -> float:
+        return sum(k * leaf.numel["compute"] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
+                   for leaf in group if leaf.gather or every)
 
     block = gathered(leaves.period, 1.0 / leaves.period_blocks)
     out = gathered(leaves.edge, 1.0) + (gathered(leaves.period, reps) if cand.pipelined else 4 * block)
+    if cand.pipelined:
+        for dtype in (compute, reduce or compute):
+            out += gathered(leaves.edge, 1.0, dtype, True) + gathered(leaves.period, reps, dtype, True)
     if cand.remat:
         out += prof.block.saved * rows_mb / split  # one block's activations, recomputed in backward
     return out
