@@ -137,8 +137,6 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     dtensor = split > 1 or any(layouts.preset(p).group in ("ep",) for p in layout.presets)
     ops = (prof.block.ops * blocks + prof.edge.ops) * m * (1.3 if dtensor else 1.2)
     saved = _saved(prof, blocks, local_rows / m, t, c, sp, in_flight)
-    per_microbatch = _saved(prof, blocks, local_rows / m, t, c, sp, 2) - _saved(prof, blocks, local_rows / m, t, c,
-                                                                                 sp, 1)
     buffers = _buffers(leaves, reps, compute, DTYPES[cand.precision][1], layout, cand, prof, local_rows / m, split)
     memory = {"params": state["params"], "compute": state["compute"], "grads": state["grads"],
               "opt_state": state["opt_state"], "activations": saved, "buffers": buffers}
@@ -150,8 +148,7 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     return Prediction(cand, False, rows_comm, rows_comm, memory, host,
                       {dtype: flops}, {dtype: matmuls}, moved, moves,
                       {"local": ops, "dtensor": ops * 0.05 if dtensor else 0.0}, bubble,
-                      _overlapped(rows_comm, layout, cand), blocks,
-                      per_microbatch if cand.pipelined else 0.0)
+                      _overlapped(rows_comm, layout, cand), blocks)
 
 
 def busiest_blocks(cfg: Any, cand: Candidate) -> int:
@@ -315,8 +312,7 @@ def _saved(prof: Profile, blocks: int, rows_mb: float, t: int, c: int, sp: bool,
 
 
 def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
-             layout: layouts.Layout,
-             cand: Candidate, prof: Profile, rows_mb: float, split: int) -> float:
+             layout: layouts.Layout, cand: Candidate, prof: Profile, rows_mb: float, split: int) -> float:
     """Gathered parameters and transient gradients: ZeRO-3 holds two blocks gathered (one prefetched) and their
     gradients, or under ``pp`` the whole stage gathered for the step; a remat block's activations in backward.
     Under ``pp`` a rank also holds its stage's unreduced gradients (compute layout) twice: in compute dtype the ones

@@ -36,7 +36,6 @@ class Prediction:
         overlapped: the ``comm`` keys whose time can hide behind compute (bucketed data-parallel reductions in
             backward, ZeRO-3's prefetched gathers).
         blocks: the most blocks one rank runs.
-        per_microbatch: with ``pp``, the activation bytes one more microbatch in flight holds on the busiest rank.
     """
 
     candidate: Candidate
@@ -53,7 +52,6 @@ class Prediction:
     bubble: float
     overlapped: frozenset[tuple[str, str]]
     blocks: int
-    per_microbatch: float = 0.0
 
     @property
     def peak(self) -> float:
