@@ -220,10 +220,14 @@ def _pinned(test):
     return test
 
 
+# Half the profile's random draws (ci: 12, explore: 150): the suite's longest test (~8 s a case, up to 8 simulated
+# ranks); the 32 pinned cases are its fixed coverage, and the random draws go on in ``make test-explore``.
 @_pinned
+@settings(max_examples=settings.default.max_examples // 2)
 @given(cases())
 def test_layouts_train_like_one_device(c):
-    """Random cases (the ci profile's examples, derandomized) and every fixed case in CASES (the ``@example``s)."""
+    """Random cases (half the profile's examples, derandomized in ci) and every fixed case in CASES (the
+    ``@example``s)."""
     check(c)
 
 
