@@ -7,9 +7,12 @@
   ranks share ``cores``): small matmuls run far below a large one's rate;
 - ``mem_bandwidth`` and ``bandwidth_curve``: ``a + b`` on fp32 tensors of 16 KiB to 16 MiB (3 tensors' bytes per
   op): small tensors stay in cache;
-- ``op_overhead`` and ``dtensor_overhead``: what an op costs in a real step beyond its FLOPs and bytes (eager
-  dispatch, autograd, the framework's Python): reference steps of a tiny gpt under ``dp`` (plain tensors) and
-  ``tp`` (DTensors) on ``world`` gloo processes, less the rest of the planner's model, over their ops;
+- ``op_overhead``, ``dtensor_overhead`` and ``data_dtensor_overhead``: what an op costs in a real step beyond its
+  FLOPs and bytes (eager dispatch, autograd, the framework's Python): reference steps of a tiny gpt under ``dp``
+  (plain tensors), ``tp`` (DTensors laid out over a model-parallel axis) and ``dp+pp`` (a pipeline stage's
+  DTensors, laid out over data axes only: cached propagation, about a third of a tp op's cost here) on ``world``
+  gloo processes, less the rest of the planner's model, over their ops of each kind;
+- ``overlap`` is 0: gloo's collectives use the cores the ranks compute on, so none hides behind compute;
 - ``intra``: all-reduces on ``world`` gloo processes from 4 B to 4 MiB, fitted to ``α + sent / β`` with
   sent = 2(n−1)/n · B (the bytes ``shardings.comms()`` counts): the ranks' CPU time per collective.
 
@@ -101,33 +104,36 @@ def gloo_link(world: int, cores: float, repeat: int = 5) -> dict[str, float]:
 
 
 _REFERENCE = dict(vocab=64, dim=16, layers=2, heads=4, kv_heads=4, mlp=32, seq_len=16)  # compute is negligible
-REFERENCES = (("dp", {"dp": 4}), ("tp", {"tp": 4}))  # the local path and the DTensor path
+# the local path, the DTensor path (tp) and a pipeline's stages (DTensors over data axes only): one op kind each
+REFERENCES = (("dp", {"dp": 4}, 1, None), ("tp", {"tp": 4}, 1, None), ("dp+pp", {"pp": 2, "dp": 2}, 2, "1f1b"))
+_OPS = ("local", "dtensor", "dtensor_data")  # the op kinds the fake step counts, in REFERENCES' order
 
 
-def dispatch_costs(cluster: dict[str, Any], world: int, rows: int = 8, repeat: int = 3) -> tuple[float, float]:
-    """Seconds per op on plain tensors and per op on DTensors, from reference steps of a tiny gpt (:data:`REFERENCES`)
-    on ``world`` gloo processes: each step's time (the ranks' CPU time over the cores), less what the planner's
-    model gives it without dispatch, over its ops (counted on fake tensors) — two equations, two unknowns."""
+def dispatch_costs(cluster: dict[str, Any], world: int, rows: int = 8, repeat: int = 3) -> tuple[float, ...]:
+    """Seconds per op on plain tensors, on model-parallel DTensors and on data-axis-only DTensors, from reference
+    steps of a tiny gpt (:data:`REFERENCES`) on ``world`` gloo processes: each step's time (the ranks' CPU time
+    over the cores), less what the planner's model gives it without dispatch, over its ops of each kind (counted
+    on fake tensors) — three equations, three unknowns."""
     import models
     from experiments.bench.plan import measure_step
     from shardings.planner import Candidate, Cluster, plan
 
     cfg = models.gpt.Config(**_REFERENCE)
-    base = Cluster.from_dict(cluster | {"op_overhead": 0.0, "dtensor_overhead": 0.0})
+    base = Cluster.from_dict(cluster | {"op_overhead": 0.0, "dtensor_overhead": 0.0, "data_dtensor_overhead": 0.0})
     scale = world / base.cores if base.cores and world > base.cores else 1.0  # ranks share the cores
-    rows_a, rhs = [], []
-    for layout, sizes in REFERENCES:
-        cand = Candidate(layout, tuple(sizes.items()))
+    matrix, rhs = [], []
+    for layout, sizes, m, schedule in REFERENCES:
+        cand = Candidate(layout, tuple(sizes.items()), m, schedule)
         row = plan(models.gpt, cfg, (rows, cfg.seq_len), base, candidates=[cand], top_k=1, budget_s=1e9).row(cand)
         measured = statistics.median(measure_step(cand, _REFERENCE, rows, cores=base.cores or 1)[1]
                                      for _ in range(repeat))
-        rows_a.append((row.prediction.ops.get("local", 0) * scale, row.prediction.ops.get("dtensor", 0) * scale))
+        # the ranks' ops over the cores (cost.step_time): every rank's, or under pp world/pp replicas' of all stages
+        pred = row.prediction
+        work, share = (pred.replica, scale / cand.size("pp")) if pred.replica else (pred.work, scale)
+        matrix.append([work.ops.get(k, 0) * share for k in _OPS])
         rhs.append(measured - row.timing.total)
-    (a, b), (c, d) = rows_a
-    det = a * d - b * c
-    local = (rhs[0] * d - b * rhs[1]) / det
-    dtensor = (a * rhs[1] - c * rhs[0]) / det
-    return max(local, 0.0), max(dtensor, 0.0)
+    solved = torch.linalg.solve(torch.tensor(matrix, dtype=torch.float64), torch.tensor(rhs, dtype=torch.float64))
+    return tuple(max(float(x), 0.0) for x in solved)
 
 
 def calibrate(world: int = 4) -> dict[str, Any]:
@@ -150,16 +156,17 @@ def calibrate(world: int = 4) -> dict[str, Any]:
         "mem_bandwidth": bandwidth,
         "op_overhead": 0.0,
         "dtensor_overhead": 0.0,
+        "data_dtensor_overhead": 0.0,
         "async_dispatch": False,
         "intra": link,
         "inter": link,
         "host_bandwidth": bandwidth,
         "cores": float(cores),
-        "overlap": 0.5,
+        "overlap": 0.0,  # gloo's collectives run on the cores the ranks compute on: nothing hides behind compute
         "matmul_curve": curve,
         "bandwidth_curve": bandwidths,
     }
-    out["op_overhead"], out["dtensor_overhead"] = dispatch_costs(out, world)
+    out["op_overhead"], out["dtensor_overhead"], out["data_dtensor_overhead"] = dispatch_costs(out, world)
     return out
 
 

@@ -52,7 +52,8 @@ class Cluster:
         bandwidth_curve: ``[bytes one op moves, bytes/s]`` points measured at several sizes (a small op's tensors stay
             in cache), interpolated (log-log) and at least ``mem_bandwidth``; ``None``: every op at ``mem_bandwidth``.
         op_overhead: seconds to dispatch one op on plain tensors (eager PyTorch).
-        dtensor_overhead: seconds to dispatch one op on DTensors (sharding propagation), on top.
+        dtensor_overhead: seconds to dispatch one op on DTensors laid out over a model-parallel axis (tp, sp, cp,
+            ep: sharding propagation, layout changes), on top.
         async_dispatch: ops are queued to a device that runs them while the host dispatches the next (GPUs): an
             op costs the larger of its dispatch and its kernel; else (CPU) their sum.
         intra: the link between ranks of one node.
@@ -60,6 +61,8 @@ class Cluster:
         host_bandwidth: bytes/s between device and host memory (offload).
         cores: CPU cores all ranks share (this machine: ranks are processes on few cores); ``None``: each rank
             computes on its own device.
+        data_dtensor_overhead: seconds to dispatch one op on DTensors laid out over data axes only (a pipeline
+            stage's data-parallel DTensors), on top of ``op_overhead``; ``None``: ``dtensor_overhead``.
         overlap: the fraction of overlappable communication (data-parallel reductions bucketed in backward,
             ZeRO-3 prefetched gathers) that hides behind compute, at most the compute's length.
     """
@@ -81,6 +84,7 @@ class Cluster:
     overlap: float = 1.0
     matmul_curve: Mapping[str, Sequence[Sequence[float]]] | None = None
     bandwidth_curve: Sequence[Sequence[float]] | None = None
+    data_dtensor_overhead: float | None = None
 
     @property
     def world(self) -> int:

@@ -3,7 +3,7 @@
 For the busiest rank::
 
     compute  = Σ_dtype flops / rate(dtype, mean FLOPs per matmul) + other ops' bytes / bandwidth(mean bytes per op)
-    dispatch = ops · op_overhead + DTensor ops · dtensor_overhead
+    dispatch = ops · op_overhead + DTensor ops · dtensor_overhead (data-axis-only DTensors: data_dtensor_overhead)
     busy     = compute + dispatch          (CPU: the host runs both)
              = max(compute, dispatch)      (GPU: kernels run while the host dispatches the next)
     comm     = Σ_(kind, axis) count · α(link) + bytes / β(link)      (link: intra- or inter-node, cluster.link_of)
@@ -11,8 +11,10 @@ For the busiest rank::
     step     = busy / (1 − bubble) + comm − hidden
 
 On a machine whose ranks share few CPU cores (``cluster.cores``), a rank computes no faster than all ranks'
-work shared over the cores: ``busy`` is at least ``world · busy_rank / cores`` and a pipeline's idle ranks lend
-their core to the others (the bubble costs only what the cores cannot absorb).
+work shared over the cores: ``busy`` is at least ``world · busy_rank / cores``, and a pipeline's idle ranks lend
+their core to the others (the bubble costs only what the cores cannot absorb). Under ``pp`` the ranks' work is
+``world / pp`` replicas of all stages' work (``Prediction.replica``), less than ``world`` busiest ranks': only
+the first and the last stage run the embedding and the head.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 from fractions import Fraction
 
 from shardings.planner.cluster import Cluster, Link, link_of
-from shardings.planner.prediction import Prediction
+from shardings.planner.prediction import Prediction, Work
 
 __all__ = ["Timing", "step_time"]
 
@@ -65,14 +67,13 @@ def _link(axis: str, pred: Prediction, cluster: Cluster) -> Link:
 
 def step_time(pred: Prediction, cluster: Cluster) -> Timing:
     """The predicted step time of ``pred`` on ``cluster`` (module docstring)."""
-    compute = sum(f / cluster.matmul_rate(d, f / max(1.0, pred.matmuls.get(d, 1.0))) for d, f in pred.flops.items())
-    compute += pred.bytes / cluster.bandwidth(pred.bytes / max(1.0, pred.moves))
-    dispatch = pred.ops.get("local", 0) * cluster.op_overhead + pred.ops.get("dtensor", 0) * cluster.dtensor_overhead
-    busy = max(compute, dispatch) if cluster.async_dispatch else compute + dispatch
+    compute, dispatch, busy = _busy(pred.work, cluster)
     comm = {k: _link(k[1], pred, cluster).time(c, float(b)) for k, (c, b) in pred.comm.items()}
     world = pred.candidate.sizes and _world(pred)
     if cluster.cores is not None and world > cluster.cores:
-        shared = busy * world / cluster.cores  # every rank's work over the shared cores
+        replicas = world // pred.candidate.size("pp")
+        together = _busy(pred.replica, cluster)[2] * replicas if pred.replica else busy * world
+        shared = together / cluster.cores  # every rank's work over the shared cores
         critical = busy / (1 - pred.bubble)
         stepping = max(critical, shared)
         bubble = stepping - shared if critical > shared else 0.0
@@ -83,6 +84,16 @@ def step_time(pred: Prediction, cluster: Cluster) -> Timing:
     hidden = min(overlappable, cluster.overlap * busy)
     total = busy + bubble + sum(comm.values()) - hidden
     return Timing(compute, dispatch, busy, comm, hidden, bubble, total)
+
+
+def _busy(work: Work, cluster: Cluster) -> tuple[float, float, float]:
+    """``(compute, dispatch, busy)`` seconds of ``work`` on one rank (module docstring)."""
+    compute = sum(f / cluster.matmul_rate(d, f / max(1.0, work.matmuls.get(d, 1.0))) for d, f in work.flops.items())
+    compute += work.bytes / cluster.bandwidth(work.bytes / max(1.0, work.moves))
+    data = cluster.dtensor_overhead if cluster.data_dtensor_overhead is None else cluster.data_dtensor_overhead
+    dispatch = (work.ops.get("local", 0) * cluster.op_overhead + work.ops.get("dtensor", 0) * cluster.dtensor_overhead
+                + work.ops.get("dtensor_data", 0) * data)
+    return compute, dispatch, max(compute, dispatch) if cluster.async_dispatch else compute + dispatch
 
 
 def _world(pred: Prediction) -> int:

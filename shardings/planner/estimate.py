@@ -28,7 +28,7 @@ from shardings.pipeline import build
 from shardings.planner import model_state
 from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.model_profile import Profile
-from shardings.planner.prediction import Prediction
+from shardings.planner.prediction import Prediction, Work
 from shardings.spec import layouts
 
 __all__ = ["DTYPES", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts", "pipeline_sends",
@@ -130,12 +130,19 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     _activation_comm(comm, cfg, cand, local_rows / m, blocks, width, sp, layout)
     # compute: the profile's per-row numbers, this rank's rows, split over tp (and cp's sequence)
     split = t * c
-    flops = (prof.block.flops * blocks + prof.edge.flops) * local_rows / split
-    matmuls = (prof.block.matmuls * blocks + prof.edge.matmuls) * m
-    moves = (prof.block.moves * blocks + prof.edge.moves) * m
-    moved = (prof.block.bytes * blocks + prof.edge.bytes) * local_rows / split + 7 * state["opt_bytes"]
     dtensor = split > 1 or any(layouts.preset(p).group in ("ep",) for p in layout.presets)
-    ops = (prof.block.ops * blocks + prof.edge.ops) * m * (1.3 if dtensor else 1.2)
+
+    def work(n: int, opt_bytes: float) -> Work:  # n blocks' and the edges' compute on local_rows
+        ops = (prof.block.ops * n + prof.edge.ops) * m * (1.3 if dtensor else 1.2)
+        return Work({dtype: (prof.block.flops * n + prof.edge.flops) * local_rows / split},
+                    {dtype: (prof.block.matmuls * n + prof.edge.matmuls) * m},
+                    (prof.block.bytes * n + prof.edge.bytes) * local_rows / split + 7 * opt_bytes,
+                    (prof.block.moves * n + prof.edge.moves) * m,
+                    {"local": ops, "dtensor": ops * 0.05 if dtensor else 0.0})
+
+    dtype = str(compute or torch.float32).removeprefix("torch.")
+    mine = work(blocks, state["opt_bytes"])
+    replica = work(cfg.layers, state["opt_bytes"] * cfg.layers / blocks) if cand.pipelined else None
     saved = _saved(prof, blocks, local_rows / m, t, c, sp, in_flight)
     buffers = _buffers(leaves, reps, compute, DTYPES[cand.precision][1], layout, cand, prof, local_rows / m, split)
     memory = {"params": state["params"], "compute": state["compute"], "grads": state["grads"],
@@ -144,11 +151,8 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     for r in layout.host:
         memory[r] = 0.0
     rows_comm = comm.frozen()
-    dtype = str(compute or torch.float32).removeprefix("torch.")
-    return Prediction(cand, False, rows_comm, rows_comm, memory, host,
-                      {dtype: flops}, {dtype: matmuls}, moved, moves,
-                      {"local": ops, "dtensor": ops * 0.05 if dtensor else 0.0}, bubble,
-                      _overlapped(rows_comm, layout, cand), blocks)
+    return Prediction(cand, False, rows_comm, rows_comm, memory, host, mine.flops, mine.matmuls, mine.bytes,
+                      mine.moves, mine.ops, bubble, _overlapped(rows_comm, layout, cand), blocks, replica)
 
 
 def busiest_blocks(cfg: Any, cand: Candidate) -> int:

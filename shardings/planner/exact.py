@@ -35,7 +35,7 @@ from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
-from shardings.planner.prediction import Prediction
+from shardings.planner.prediction import Prediction, Work
 
 __all__ = ["exact", "pipeline_sends"]
 
@@ -142,13 +142,18 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     rest = max(0.0, peak - sum(memory.values()))
     activations = min(rest, estimated.memory["activations"])
     memory |= {"activations": activations, "buffers": rest - activations}
-    flops = {k.removeprefix("flops/"): float(v) for k, v in rank.items() if k.startswith("flops/")}
-    ops = {k.removeprefix("ops/"): float(v) for k, v in rank.items() if k.startswith("ops/")}
-    matmuls = {k.removeprefix("matmuls/"): float(v) for k, v in rank.items() if k.startswith("matmuls/")}
+    work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
-                               flops=flops, matmuls=matmuls, bytes=float(rank["bytes"]), moves=float(rank["moves"]),
-                               ops=ops,
-                               overlapped=estimates._overlapped(comm, layout, cand))
+                               **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
+                               replica=_work(total) if cand.pipelined else None)
+
+
+def _work(values: dict[str, Any]) -> Work:
+    """The compute and dispatch of a step from its measured values (``flops/<dtype>``, ``ops/<kind>``, ...)."""
+    def by(prefix: str) -> dict[str, float]:
+        return {k.removeprefix(prefix): float(v) for k, v in values.items() if k.startswith(prefix)}
+
+    return Work(by("flops/"), by("matmuls/"), float(values["bytes"]), float(values["moves"]), by("ops/"))
 
 
 def busiest_rank(cand: Candidate) -> Schedule:

@@ -68,7 +68,9 @@ class Measured:
         matmuls: how many ops those FLOPs are in, by dtype name (their mean size sets their rate).
         bytes: bytes read and written by the other ops (elementwise, reductions, copies, the optimizer's).
         moves: how many ops those bytes are in (their mean size sets their rate: small ones stay in cache).
-        ops: ``{"dtensor": n, "local": n}``: ops dispatched with a DTensor argument, and on plain tensors.
+        ops: ``{"dtensor": n, "dtensor_data": n, "local": n}``: ops dispatched with a DTensor argument laid out
+            over a model-parallel mesh axis (tp, sp, cp, ep: sharded or partial there), with DTensor arguments laid
+            out over data axes only (a pipeline stage's data-parallel DTensors), and on plain tensors.
     """
 
     comm: dict[tuple[str, str], tuple[int, Fraction]]
@@ -120,13 +122,13 @@ class OpCounter(TorchDispatchMode):
         self.matmuls: dict[str, int] = {}
         self.bytes = 0
         self.moves = 0  # the ops those bytes are in
-        self.ops = {"dtensor": 0, "local": 0}
+        self.ops = {"dtensor": 0, "dtensor_data": 0, "local": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
-            self.ops["dtensor"] += 1
+            self.ops["dtensor" if _model_parallel((args, kwargs)) else "dtensor_data"] += 1
             return out
         self.ops["local"] += 1
         packet = func.overloadpacket
@@ -148,6 +150,18 @@ class OpCounter(TorchDispatchMode):
         causal = args[7] if backward else (args[4] if len(args) > 4 else kwargs.get("is_causal", False))
         flops = self._CPU_SDPA[packet](*shapes)
         return flops // 2 if causal else flops  # a causal kernel skips the masked half
+
+
+def _model_parallel(args: Any) -> bool:
+    """Whether a DTensor among ``args`` is sharded or partial over a mesh axis outside ``DATA_AXES``: its op's
+    sharding propagation and layout work are the model-parallel kind (``OpCounter.ops``)."""
+    for t in tree.leaves(args):
+        if isinstance(t, DTensor):
+            names = t.device_mesh.mesh_dim_names or ()
+            if any(not p.is_replicate() and (i >= len(names) or names[i] not in layouts.DATA_AXES)
+                   for i, p in enumerate(t.placements)):
+                return True
+    return False
 
 
 def _fake_params(model: Any, cfg: Any, layout: layouts.Layout, mesh: Mesh, mode: FakeTensorMode) -> tuple[Any, Any]:

@@ -7,10 +7,21 @@ from fractions import Fraction
 
 from shardings.planner.candidates import Candidate
 
-__all__ = ["MEMORY_ROLES", "Prediction"]
+__all__ = ["MEMORY_ROLES", "Prediction", "Work"]
 
 # Bytes per rank by role: the step's metrics["memory"] roles (held between steps), then what a step adds
 MEMORY_ROLES = ("params", "compute", "grads", "opt_state", "activations", "buffers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Compute and dispatch of some ranks' step: the :class:`Prediction` fields of the same names."""
+
+    flops: dict[str, float]
+    matmuls: dict[str, float]
+    bytes: float
+    moves: float
+    ops: dict[str, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +47,10 @@ class Prediction:
         overlapped: the ``comm`` keys whose time can hide behind compute (bucketed data-parallel reductions in
             backward, ZeRO-3's prefetched gathers).
         blocks: the most blocks one rank runs.
+        replica: under ``pp``, the work of all stages of one pipeline replica together (each of its ``pp`` ranks runs
+            a part; the first and the last stage the embedding and the head, not every rank as the busiest
+            rank's numbers count them): what ranks sharing few CPU cores compute between them. ``None``: every
+            rank does this rank's work.
     """
 
     candidate: Candidate
@@ -52,11 +67,17 @@ class Prediction:
     bubble: float
     overlapped: frozenset[tuple[str, str]]
     blocks: int
+    replica: Work | None = None
 
     @property
     def peak(self) -> float:
         """Device bytes per rank at the step's peak: the sum of :attr:`memory`."""
         return sum(self.memory.values())
+
+    @property
+    def work(self) -> Work:
+        """This (the busiest) rank's compute and dispatch."""
+        return Work(self.flops, self.matmuls, self.bytes, self.moves, self.ops)
 
     def comm_bytes(self) -> Fraction:
         """Bytes the busiest rank sends per step, over every collective."""

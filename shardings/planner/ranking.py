@@ -152,9 +152,10 @@ class Ranking:
                  + (f"; {gb(p.host)} in host memory" if p.host else "")]
         lines += [f"    {role:<12}{gb(p.memory.get(role, 0)):>10}" for role in MEMORY_ROLES]
         flops = sum(p.flops.values())
+        on_dtensors = p.ops.get("dtensor", 0) + p.ops.get("dtensor_data", 0)
         lines.append(f"  compute: {flops / 1e12:.3g} TFLOP per rank ({', '.join(p.flops) or '-'}), "
                      f"{gb(p.bytes)} moved by other ops: {_seconds(t.compute)}; dispatch {p.ops.get('local', 0):.0f} "
-                     f"ops + {p.ops.get('dtensor', 0):.0f} on DTensors: {_seconds(t.dispatch)}")
+                     f"ops + {on_dtensors:.0f} on DTensors: {_seconds(t.dispatch)}")
         lines.append(f"  communication per rank: {gb(float(p.comm_bytes()))} in {_seconds(sum(t.comm.values()))}, "
                      f"{_seconds(t.hidden)} hidden behind compute")
         for (kind, axis), (count, nbytes) in sorted(p.comm.items(), key=lambda kv: -kv[1][1]):

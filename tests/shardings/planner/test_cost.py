@@ -1,11 +1,13 @@
 """The step-time model: compute, links, overlap, the bubble and shared cores, on hand-made predictions."""
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
 
 from shardings.planner import Candidate, Cluster, Link, Prediction, step_time
 from shardings.planner.cluster import link_of
+from shardings.planner.prediction import Work
 
 
 def _cluster(**kw) -> Cluster:
@@ -69,6 +71,24 @@ def test_shared_cores_serialize_the_ranks_and_absorb_the_bubble():
     assert piped.total == pytest.approx(4.0) and piped.bubble == 0
     starved = step_time(_prediction(flops=1e12, bubble=0.75), cores)  # 2 s / 0.25 = 8 s > 4 s shared
     assert starved.total == pytest.approx(8.0)
+
+
+def test_data_axis_dtensor_ops_cost_their_own_overhead_and_default_to_the_model_parallel_one():
+    pred = _prediction(flops=0.0, ops={"local": 0, "dtensor": 10, "dtensor_data": 100})
+    assert step_time(pred, _cluster()).dispatch == pytest.approx(110 * 1e-4)  # None: dtensor_overhead
+    assert step_time(pred, _cluster(data_dtensor_overhead=1e-5)).dispatch == pytest.approx(10 * 1e-4 + 100 * 1e-5)
+
+
+def test_a_pipeline_on_shared_cores_shares_its_replicas_work_not_world_times_the_busiest_ranks():
+    # pp2_dp2 on 2 cores: the busiest rank computes 2 s, a replica's two stages 3 s together (the head on one)
+    cores = _cluster(nodes=1, per_node=4, cores=2.0)
+    busiest = _prediction(mesh=(("pp", 2), ("dp", 2)), flops=1e12, bubble=0.2)
+    replica = Work({"float32": 1.5e12}, {"float32": 10.0}, 0.0, 1.0, {"local": 0, "dtensor": 0})
+    piped = dataclasses.replace(busiest, replica=replica)
+    assert step_time(busiest, cores).total == pytest.approx(4 * 2 / 2)  # without it: every rank the busiest's
+    assert step_time(piped, cores).total == pytest.approx(2 * 3 / 2)  # 2 replicas' work over 2 cores
+    starved = dataclasses.replace(piped, bubble=0.6)  # the critical path: 2 s / 0.4 = 5 s > 3 s shared
+    assert step_time(starved, cores).total == pytest.approx(5.0)
 
 
 def test_small_matmuls_run_at_their_measured_rate():
