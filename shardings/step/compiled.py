@@ -58,7 +58,7 @@ __all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compile
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
 # The presets whose compositions compile on the DTensor path (the local path's layouts always do).
-DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep"})
+DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep", "pp"})
 
 
 class CompileFallbackWarning(UserWarning):
@@ -145,9 +145,6 @@ class Compiled:
         """Whether ``layout``'s step runs the compiled loss (else it warns, once, and runs eagerly); raises under
         simulated ranks. ``local``: the step runs on the local path (plain tensors), which always compiles."""
         self.check_ranks()
-        if layout.pipelined:
-            self.fallback(f"layout {layout.name!r} pipelines the model's blocks (pp), whose stages do not compile yet")
-            return False
         if local or (layout.presets and set(layout.presets) <= DTENSOR_PRESETS):
             return True
         self.fallback(f"layout {layout.name!r} runs on DTensors with presets outside {sorted(DTENSOR_PRESETS)} "

@@ -236,9 +236,9 @@ class TrainStep:
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
         compiling = self.compiled is not None and self.compiled.compiles(self.layout, local=plan.local is not None)
-        if self.layout.pipelined:
-            return pipeline_path.grads(self, plan, params, batch, scale)
         with self.compiled.running(batch) if compiling else contextlib.nullcontext():
+            if self.layout.pipelined:
+                return pipeline_path.grads(self, plan, params, batch, scale, compiling)
             batch = self.place_batch(batch)
             if plan.local is None:
                 return dtensor_path.grads(self, plan, params, batch, scale, compiling)
