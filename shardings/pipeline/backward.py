@@ -16,7 +16,10 @@ A compiled graph's backward (``train_step(jit=True)``'s block: AOTAutograd's ``C
 node that computes the gradient of every input whatever ``B`` asks for: re-entering it in ``W`` would run the
 block's whole backward twice. So ``B`` keeps what such a node already computed for its weight-only children (a
 post-hook) and ``W`` re-enters below the node, at those children, with those gradients: the node runs once, and
-``W`` holds the block's weight gradients (not its saved activations) until it runs.
+``W`` holds the block's weight gradients (not its saved activations) until it runs. ``B`` keeps the graph for the
+eager nodes ``W`` re-enters (``retain_graph``), which torch refuses for a compiled backward that reuses its saved
+tensors' storage (AOTAutograd's donated buffers, on by default): that check is relaxed for ``B``'s call, as the
+compiled node, which runs once, is the only reader of those tensors.
 """
 
 from __future__ import annotations
@@ -120,7 +123,10 @@ def backward_input(outputs: Sequence[torch.Tensor], cotangents: Sequence[torch.T
     try:
         grads = [None] * len(inputs)
         if inputs:
-            grads = list(torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True))
+            # retain_graph: for the eager nodes W re-enters. A compiled node never runs again (W starts below it), so
+            # its donated buffers (saved tensors its backward may overwrite) are safe: torch's check is relaxed here
+            with torch._functorch.config.patch(donated_buffer=False):
+                grads = list(torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True))
     finally:
         for h in handles:
             h.remove()
