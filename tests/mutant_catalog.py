@@ -329,7 +329,19 @@ MUTANTS: tuple[Mutant, ...] = (
            "each compiled block's output is 1% too large (a wrong graph only jit=True runs)",
            ("tests/shardings/step/test_jit.py::test_compiled_step_matches_the_reference_under_dp_zero2_zero3_hsdp_"
             "with_accumulation_and_clipping",
-            "tests/shardings/step/test_jit.py::test_compiled_dtensor_step_matches_the_reference_under_zero3_tp_sp")),
+            "tests/shardings/step/test_jit.py::test_compiled_dtensor_step_matches_the_reference_under_zero3_tp_sp",
+            "tests/shardings/step/test_jit_pipeline.py::test_compiled_pipelined_step_matches_the_reference_under_dp_pp_"
+            "1f1b_with_accumulation_and_clipping")),
+    Mutant("jit-zb-weight-grad-off-by-one-percent", "shardings/pipeline/backward.py",
+           "            for edge, g in pending.computed.get(node, ()):  # below a compiled node: what B computed\n"
+           "                edges.append(edge)\n                grads.append(g)",
+           "            for edge, g in pending.computed.get(node, ()):  # below a compiled node: what B computed\n"
+           "                edges.append(edge)\n                grads.append(g * 1.01)",
+           "W's weight gradients under a compiled block 1% too large (zero-bubble schedules under jit=True)",
+           ("tests/shardings/step/test_jit_pipeline.py::test_zero_bubble_split_of_a_compiled_block_runs_its_backward_"
+            "once_and_equals_the_whole_backward_bitwise",
+            "tests/shardings/step/test_jit_pipeline.py::test_every_schedule_compiles_one_block_graph_without_breaks_or_"
+            "recompiles_and_equals_its_eager_twin")),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

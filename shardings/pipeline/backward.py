@@ -11,10 +11,20 @@ gradient is counted twice. A node runs the same kernel on the same inputs in ``B
 and what arrives at a recorded node is accumulated in the same order (its parents are all on the input path),
 so ``B`` then ``W`` gives the whole backward's gradients bitwise; the graph outside the recorded nodes is
 freed after ``B``.
+
+A compiled graph's backward (``train_step(jit=True)``'s block: AOTAutograd's ``CompiledFunction``) is one opaque
+node that computes the gradient of every input whatever ``B`` asks for: re-entering it in ``W`` would run the
+block's whole backward twice. So ``B`` keeps what such a node already computed for its weight-only children (a
+post-hook) and ``W`` re-enters below the node, at those children, with those gradients: the node runs once, and
+``W`` holds the block's weight gradients (not its saved activations) until it runs. ``B`` keeps the graph for the
+eager nodes ``W`` re-enters (``retain_graph``), which torch refuses for a compiled backward that reuses its saved
+tensors' storage (AOTAutograd's donated buffers, on by default): that check is relaxed for ``B``'s call, as the
+compiled node, which runs once, is the only reader of those tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +43,17 @@ class PendingWeightGrad:
 
     groups: list[tuple[list[Any], list[int]]]  # ([node, ...], [index into params, ...])
     recorded: dict[Any, tuple[torch.Tensor | None, ...]]  # node -> the gradients of its outputs
+    # a compiled graph's node -> (the edge to a weight-only child, the gradient B computed for it)
+    computed: dict[Any, list[tuple[GradientEdge, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+
+
+def _compiled(node: Any) -> bool:
+    """Whether ``node`` is a compiled graph's backward (AOTAutograd's ``CompiledFunction``: one node for a whole
+    ``torch.compile``d block), which computes every input's gradient in one call (module docstring)."""
+    return getattr(getattr(node, "_forward_cls", None), "__module__", "") == _AOT_RUNTIME
+
+
+_AOT_RUNTIME = "torch._functorch._aot_autograd.runtime_wrappers"
 
 
 def _post_order(roots: list[Any]) -> list[Any]:
@@ -91,15 +112,25 @@ def backward_input(outputs: Sequence[torch.Tensor], cotangents: Sequence[torch.T
             grads[o.output_nr] = c if grads[o.output_nr] is None else grads[o.output_nr] + c
             recorded[o.grad_fn] = tuple(grads)
     hooked = [n for nodes, _ in groups for n in nodes if on_input[n]]
-    handles = [n.register_prehook(lambda g, n=n: recorded.__setitem__(n, tuple(g))) for n in hooked]
+    computed: dict[Any, list[tuple[GradientEdge, torch.Tensor]]] = {}
+
+    def keep(node: Any, grad_inputs: tuple[torch.Tensor | None, ...]) -> None:
+        computed[node] = [(GradientEdge(kid, nr), g) for (kid, nr), g in zip(node.next_functions, grad_inputs)
+                          if kid is not None and not on_input[kid] and g is not None]
+
+    handles = [n.register_hook(lambda gi, _, n=n: keep(n, gi)) if _compiled(n)
+               else n.register_prehook(lambda g, n=n: recorded.__setitem__(n, tuple(g))) for n in hooked]
     try:
         grads = [None] * len(inputs)
         if inputs:
-            grads = list(torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True))
+            # retain_graph: for the eager nodes W re-enters. A compiled node never runs again (W starts below it), so
+            # its donated buffers (saved tensors its backward may overwrite) are safe: torch's check is relaxed here
+            with torch._functorch.config.patch(donated_buffer=False):
+                grads = list(torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True))
     finally:
         for h in handles:
             h.remove()
-    return grads, PendingWeightGrad(groups, recorded)
+    return grads, PendingWeightGrad(groups, recorded, computed)
 
 
 def backward_weight(pending: PendingWeightGrad, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -108,6 +139,9 @@ def backward_weight(pending: PendingWeightGrad, params: Sequence[torch.Tensor]) 
     for nodes, indices in pending.groups:
         edges, grads = [], []
         for node in nodes:
+            for edge, g in pending.computed.get(node, ()):  # below a compiled node: what B computed
+                edges.append(edge)
+                grads.append(g)
             for nr, g in enumerate(pending.recorded.get(node, ())):
                 if g is not None:
                     edges.append(GradientEdge(node, nr))

@@ -24,15 +24,19 @@ What makes a block traceable:
 - DTensor's ``compute_global_tensor_info`` (C in torch 2.13, called by ``to_local``'s backward): a Python
   polyfill for dynamo (:func:`_global_tensor_info`).
 
+Under ``pp`` each stage's blocks run the compiled block (the pipeline executor calls ``Stages.block``), under every
+schedule; embedding, head, the carries' sends and receives and their arrival layout stay eager. Zero-bubble
+schedules split a compiled block's backward without running it twice (:mod:`shardings.pipeline.backward`).
+
 Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
 some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step
 :data:`WARMUP_STEPS` on, the step runs under ``torch.compiler.set_stance("fail_on_recompile")`` with
 ``fail_on_recompile_limit_hit``, so any other recompile is an error, never a silent slow step.
 
 Not compiled yet (a :class:`CompileFallbackWarning`, once per step object, and the eager step): layouts on the
-DTensor path with a preset outside :data:`DTENSOR_PRESETS` (offload; hand-made layouts: no presets) and pipelined
-layouts. Simulated ranks cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in
-torch 2.13): a ``ShardingError``.
+DTensor path with a preset outside :data:`DTENSOR_PRESETS` (offload; hand-made layouts: no presets). Simulated
+ranks cannot be compiled at all (``LocalTensorMode`` does not compose with AOTAutograd in torch 2.13): a
+``ShardingError``.
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ from shardings.spec.placeholder import resolve
 __all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
-# The presets whose compositions compile on the DTensor path (the local path's layouts always do).
-DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep"})
+# The presets whose compositions compile on the DTensor path (the local path's layouts always do); with pp, each
+# stage runs on the DTensor path of the others.
+DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep", "pp"})
 
 
 class CompileFallbackWarning(UserWarning):
@@ -137,7 +142,7 @@ class Compiled:
             self.warned = True
             warnings.warn(CompileFallbackWarning(
                 f"train_step(jit=True): {why}; this step runs eagerly (same results, no compiled graphs). "
-                "Fix: pass jit=False to silence this, or, to compile, a layout without pp made of the presets "
+                "Fix: pass jit=False to silence this, or, to compile, a layout made of the presets "
                 f"{', '.join(sorted(DTENSOR_PRESETS))}"),
                 stacklevel=4)
 
@@ -145,9 +150,6 @@ class Compiled:
         """Whether ``layout``'s step runs the compiled loss (else it warns, once, and runs eagerly); raises under
         simulated ranks. ``local``: the step runs on the local path (plain tensors), which always compiles."""
         self.check_ranks()
-        if layout.pipelined:
-            self.fallback(f"layout {layout.name!r} pipelines the model's blocks (pp), whose stages do not compile yet")
-            return False
         if local or (layout.presets and set(layout.presets) <= DTENSOR_PRESETS):
             return True
         self.fallback(f"layout {layout.name!r} runs on DTensors with presets outside {sorted(DTENSOR_PRESETS)} "

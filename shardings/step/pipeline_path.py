@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["grads", "metrics"]
 
 
-def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
-          scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
+def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any, scale: torch.Tensor | None,
+          compiled: bool = False) -> tuple[torch.Tensor, Any, torch.Tensor]:
     """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state.
 
     Under a precision policy the stage weights are cast to compute dtype before they are gathered, the
@@ -81,7 +81,7 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any,
     carry = (step.loss_fn, _CarryPlacements(step.loss_fn, step.layout, step.mesh), step.mesh.device_mesh)
     # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
     with implicit_replication():
-        result = run(pipe.schedule, _in_stage(step), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
+        result = run(pipe.schedule, _in_stage(step, compiled), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
                      carry_layout=carry)
     step.last = result
     g, opt_pl = [step.cast.to_reduce(x) for x in tree.leaves(result.grads)], plan.placements["opt_state"]
@@ -137,9 +137,10 @@ class _CarryPlacements(NamedTuple):
                 for n, x in zip(names, tree.leaves(carry))]
 
 
-def _in_stage(step: TrainStep) -> Stages:
-    """The stage functions run with this layout's rules on the stage mesh (``constrain`` resolves there)."""
-    stages = step.loss_fn
+def _in_stage(step: TrainStep, compiled: bool) -> Stages:
+    """The stage functions run with this layout's rules on the stage mesh (``constrain`` resolves there); the
+    blocks compiled where ``compiled``."""
+    stages = step.compiled.loss_fn if compiled else step.loss_fn
 
     def scoped(f):
         def call(*args):

@@ -236,9 +236,9 @@ class TrainStep:
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan = self.plan(params)
         compiling = self.compiled is not None and self.compiled.compiles(self.layout, local=plan.local is not None)
-        if self.layout.pipelined:
-            return pipeline_path.grads(self, plan, params, batch, scale)
         with self.compiled.running(batch) if compiling else contextlib.nullcontext():
+            if self.layout.pipelined:
+                return pipeline_path.grads(self, plan, params, batch, scale, compiling)
             batch = self.place_batch(batch)
             if plan.local is None:
                 return dtensor_path.grads(self, plan, params, batch, scale, compiling)
@@ -394,8 +394,9 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
         jit: compile the model's compute (:mod:`shardings.step.compiled`): each block of a loss that declares its
             blocks (``models.gpt.stages(cfg)``) one ``torch.compile``d graph, or the whole loss; the collectives stay
             eager and overlapped around the graphs (torchtitan's per-block recipe). Layouts of ``dp``, ZeRO,
-            ``hsdp``, ``tp``, ``sp``, ``cp`` and ``ep`` compile (tp/sp/cp/ep collectives inside the graphs); ``pp``
-            runs eagerly with a :class:`~shardings.step.compiled.CompileFallbackWarning`. Needs real ranks
+            ``hsdp``, ``tp``, ``sp``, ``cp`` and ``ep`` compile (tp/sp/cp/ep collectives inside the graphs), and under
+            ``pp`` each stage's blocks, under every schedule; offload and hand-made layouts on the DTensor path run
+            eagerly with a :class:`~shardings.step.compiled.CompileFallbackWarning`. Needs real ranks
             (``shardings.launch``).
             The batch shape must stay fixed; a recompile after the warm-up steps raises a ``ShardingError``.
         jit_backend: ``torch.compile``'s backend under ``jit``: ``"inductor"`` (fused kernels) or ``"aot_eager"``

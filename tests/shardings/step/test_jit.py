@@ -78,7 +78,7 @@ def _counts_and_errors() -> dict:
     out = {layout: _counted_steps(layout, mesh, WARMUP_STEPS + 1)  # the last one under fail_on_recompile
            for layout, mesh in (("zero3", Mesh(dp=2)), ("tp+sp", Mesh(tp=2)), ("cp", Mesh(cp=2)))}
     out["ep"] = _counted_steps("ep", Mesh(ep=2), WARMUP_STEPS + 1, moe, MOE)
-    # a layout that falls back: offload on the DTensor path (pp falls back by the same call, and costs ~30 s more)
+    # a layout that falls back: offload on the DTensor path
     mesh, layout = Mesh(tp=2), "tp+offload_optimizer"
     params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
     step = shardings.train_step(gpt.stages(CFG), core.optim.adamw(1e-3), layout=layout, mesh=mesh, jit=True,
