@@ -1,7 +1,8 @@
 """A whole single-device train step: shardlab eager and ``core.jit`` against a torch-native anchor (a benchmark).
 
 ``python -m experiments.bench.jit [--configs tiny gpt_small] [--device cpu|cuda] [--steps 20]
-[--warmup 3] [--rounds 1] [--peak-tflops 989] [--as-is] [--no-compile] [--threads N] [--csv bench_jit.csv]``
+[--warmup 3] [--rounds 1] [--peak-tflops 989] [--as-is] [--no-compile] [--threads N] [--csv bench_jit.csv]
+[--sharded zero3 zero3+tp+sp] [--precision bf16|fp32]``
 
 Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after another in one process:
 
@@ -31,6 +32,10 @@ Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after
     the same with ``torch.compile(model)`` (forward and backward compiled; the fused optimizer eager).
 
 ``--no-compile`` leaves out the compiled rows (``jit``, ``jit_as_is``, ``native_compile``).
+
+``--sharded LAYOUT ...`` adds, per config, the sharded step on one rank against FSDP2 on one rank
+(:mod:`experiments.bench.jit_sharded`: ``train_step/<layout>``, ``train_step/<layout>/jit``, ``fsdp2``,
+``fsdp2/compiled_blocks``; their ``vs_native`` / ``vs_compiled`` are multiples of the two ``fsdp2`` rows).
 
 Reported per row: median step time after warm-up (pooled over ``--rounds`` builds of every row,
 alternated: on a shared machine the speed drifts by more than some of the gaps measured), tokens/s,
@@ -267,11 +272,7 @@ def run(
         plan["native_compile"] = (lambda: (native_step, native(torch.compile)), none)
         if as_is:
             plan["jit_as_is"] = (lambda: (core.jit(step), ours()), none)
-    runs: dict[str, list[dict]] = {name: [] for name in plan}
-    for k in range(rounds):
-        for name in list(plan) if k % 2 == 0 else list(plan)[::-1]:
-            runs[name].append(_measure(*plan[name], batch, steps, warmup, device))
-    results = {name: _pool(r) for name, r in runs.items()}
+    results = run_plan(plan, batch, steps, warmup, device, rounds)
     tokens = batch_size * cfg.seq_len
     eager = results["eager"]
     for name, r in results.items():
@@ -282,7 +283,26 @@ def run(
                 f"({d.used:.1f}x the tolerance rule's allowance for {tokens} tokens). Fix: the row does not compute "
                 "gpt.loss (for a compiled row, bisect with backend='aot_eager'; for a native row, test_native_gpt)."
             )
-    native_row, compiled_row = results["native"], results.get("native_compile", {})
+    return table(results, config, device, cfg, params, tokens, peak_tflops, steps, rounds, eager=("eager", "native"))
+
+
+def run_plan(plan: dict[str, tuple[Callable, Callable]], batch: dict, steps: int, warmup: int, device: str,
+             rounds: int) -> dict[str, dict[str, Any]]:
+    """Each row of ``plan`` (name -> (build, tracing context)) measured ``rounds`` times, alternated (a, b, c, then
+    c, b, a, ...), and its rounds pooled (:func:`_pool`)."""
+    runs: dict[str, list[dict]] = {name: [] for name in plan}
+    for k in range(rounds):
+        for name in list(plan) if k % 2 == 0 else list(plan)[::-1]:
+            runs[name].append(_measure(*plan[name], batch, steps, warmup, device))
+    return {name: _pool(r) for name, r in runs.items()}
+
+
+def table(results: dict[str, dict[str, Any]], config: str, device: str, cfg: gpt.Config, params: Any, tokens: int,
+          peak_tflops: float, steps: int, rounds: int, eager: tuple[str, ...], native: str = "native",
+          compiled: str = "native_compile") -> list[dict]:
+    """One output row per result: step time, tokens/s, multiples of the ``native`` and ``compiled`` rows' time and
+    peak memory, compile time (0 for the ``eager`` rows), graphs, step-1 loss and (CUDA) MFU."""
+    native_row, compiled_row = results[native], results.get(compiled, {})
     out = []
     for name, r in results.items():
         tok_s = tokens / r["median_s"]
@@ -295,7 +315,7 @@ def run(
             "peak_mb": round(r["peak_mb"], 1) if r["peak_mb"] is not None else "",
             "mem_vs_native": _ratio(r["peak_mb"], native_row["peak_mb"]),
             "mem_vs_compiled": _ratio(r["peak_mb"], compiled_row.get("peak_mb")),
-            "compile_s": round(r["first_s"], 2) if name not in ("eager", "native") else 0.0,
+            "compile_s": round(r["first_s"], 2) if name not in eager else 0.0,
             "graphs": r["graphs"], "loss": round(r["loss"], 6),
             "mfu": round(mfu, 4) if mfu is not None else "",
         })  # fmt: skip
@@ -310,6 +330,7 @@ def _print_table(rows: list[dict], cols: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from experiments.bench import jit_sharded  # it imports this module's row machinery
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["tiny", "gpt_small"], choices=list(CONFIGS))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -326,6 +347,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=1, help="times each row is built and timed, alternated")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--csv", default="bench_jit.csv", help="where to write the table")
+    parser.add_argument("--sharded", nargs="+", default=[], choices=jit_sharded.LAYOUTS,
+                        help="add train_step on one rank under these layouts vs FSDP2 on one rank (jit_sharded)")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                        help="the --sharded rows' precision (default: bf16 on cuda, fp32 on cpu)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -339,7 +364,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         compile=args.compile,
         rounds=args.rounds,
     )
-    rows = [r for c in args.configs for r in run_one(c)]
+    sharded = functools.partial(jit_sharded.run, layouts=args.sharded, device=args.device, steps=args.steps,
+                                warmup=max(args.warmup, 1), peak_tflops=args.peak_tflops, precision=args.precision,
+                                compile=args.compile, rounds=args.rounds, threads=args.threads)
+    rows = [r for c in args.configs for r in run_one(c) + (sharded(c) if args.sharded else [])]
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {args.device}, {threads} threads, median of {args.rounds}x{args.steps} steps")
     cols = ["config", "variant", "step_ms", "tokens_per_s", "vs_native", "vs_compiled", "compile_s", "graphs", "loss"]

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
 import models.gpt as gpt
 from shardings import sharding_error
 
-__all__ = ["NativeGpt", "from_params", "parallelize", "to_params", "tp_plan"]
+__all__ = ["NativeGpt", "compile_blocks", "from_params", "parallelize", "to_params", "tp_plan"]
 
 # tree key -> (parameter name in a Block, einops pattern from the tree layout to the module's layout)
 _BLOCK = {
@@ -271,3 +271,23 @@ def parallelize(model: NativeGpt, tp_mesh: DeviceMesh) -> NativeGpt:
             mesh=tp_mesh,
         )
     return parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def compile_blocks(model: NativeGpt) -> NativeGpt:
+    """Each block's forward ``torch.compile``d (inductor, fullgraph): torchtitan's per-block recipe.
+
+    Call it after :func:`parallelize` (the TP plan's hooks on a block's submodules are traced into its graph) and
+    before ``fully_shard``/DDP (their hooks, on the block and the root, stay eager around the graphs).
+
+    Under the TP plan the embedding's output (its reduce-scatter, run async, then ``to_local``) is copied before
+    the first block: fed to a compiled block as it is, its gradient reached the reduce-scatter's backward as a
+    plain tensor on torch 2.13 (``AttributeError: 'Tensor' object has no attribute '_local_tensor'`` in
+    ``Redistribute.backward``), with ``aot_eager`` as with inductor. The copy is one (batch, seq/tp, dim) tensor.
+
+    >>> compile_blocks(from_params(params, cfg))  # doctest: +SKIP
+    """
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True)
+    if any(isinstance(p, DTensor) for p in model.embed.parameters()):
+        model.embed.register_forward_hook(lambda module, args, out: out.clone())  # after the plan's output hook
+    return model

@@ -29,10 +29,16 @@ pair (ours)        our mesh                      torch side
                    ``train_step(jit=True)``       block's forward ``torch.compile``d (inductor, fullgraph)
 ``zero3/jit``      ``Mesh(dp=4)``, layout         FSDP2 ``fully_shard`` per block over blocks whose
                    ``zero3``, ``jit=True``        forward is ``torch.compile``d (torchtitan's recipe)
+``tp+sp/jit``      ``Mesh(tp=4)``, layout         the TP plan, then each block's forward compiled (the
+                   ``tp+sp``, ``jit=True``        plan's hooks inside the block traced into its graph)
+``zero3+tp+sp``    ``Mesh(dp=2, tp=2)``, layout   the TP plan on ``mesh["tp"]``, each block's forward
+``/jit``           ``zero3+tp+sp``, ``jit=True``  compiled, then FSDP2 on ``mesh["dp"]``
 =================  ============================  ====================================================
 
 The ``/jit`` pairs (``--jit`` adds them) compare compiled with compiled, the same recipe on both sides: each
-block one inductor graph, embeddings, head and collectives eager. Ours runs ``models.gpt.stages(cfg)`` as the
+block one inductor graph, embeddings, head and FSDP2's/DDP's collectives eager; the TP plan's collectives inside
+a block are in its graph on both sides (functional collectives). The torch side follows torchtitan's order:
+parallelize (TP), compile each block, then ``fully_shard``. Ours runs ``models.gpt.stages(cfg)`` as the
 loss (its blocks declared). Neither side's first steps are counted (collectives, peak memory: dispatch modes
 around compiled code would compile other graphs); the eager pairs' rows give those.
 
@@ -123,6 +129,8 @@ _PAIRS = {
 _JIT_PAIRS = {
     "dp/jit": _Pair("DDP + compiled blocks", {"dp": 4}, "dp", jit=True),
     "zero3/jit": _Pair("FSDP2 + compiled blocks", {"dp": 4}, "zero3", jit=True),
+    "tp+sp/jit": _Pair("parallelize_module + compiled blocks", {"tp": 4}, "tp+sp", jit=True),
+    "zero3+tp+sp/jit": _Pair("FSDP2+TP + compiled blocks", {"dp": 2, "tp": 2}, "zero3+tp+sp", jit=True),
 }
 _PAIRS.update(_JIT_PAIRS)
 
@@ -147,14 +155,20 @@ def _timed(step, steps: int, warmup: int, measure: bool = True) -> tuple[list[fl
     return times[warmup:], first_loss, mem
 
 
-def _ours(pair: str, cfg: gpt.Config, batch: dict, comm: list[int]):
-    """``comm``: [collective bytes, host copy bytes] of the first step."""
-    sizes, layout = _PAIRS[pair].mesh, _PAIRS[pair].layout or pair
-    mesh = shardings.Mesh(**sizes)
+def spec(pair: str) -> _Pair:
+    """``_PAIRS[pair]`` with its layout filled in (the pair's name when not given)."""
+    return _PAIRS[pair]._replace(layout=_PAIRS[pair].layout or pair)
+
+
+def ours_step(pair: _Pair, cfg: gpt.Config, batch: dict, comm: list[int]):
+    """``step(count) -> loss``: ``train_step`` on ``pair``'s mesh and layout, its state held inside.
+
+    ``comm``: [collective bytes, host copy bytes] of a step run with ``count``.
+    """
+    mesh, layout, jit = shardings.Mesh(**pair.mesh), pair.layout, pair.jit
     params = shardings.init(gpt.init, core.random.key(0), cfg, axes=gpt.axes(cfg), layout=layout, mesh=mesh)
-    jit = _PAIRS[pair].jit
     loss_fn = gpt.stages(cfg) if jit else functools.partial(gpt.loss, cfg=cfg)  # jit: its blocks compiled each
-    precision = core.precision.Policy.bf16_mixed() if _PAIRS[pair].bf16 else None
+    precision = core.precision.Policy.bf16_mixed() if pair.bf16 else None
     ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh, donate=True,
                               precision=precision, jit=jit, count_comms=False)
     state = [params, ts.init(params)]
@@ -179,34 +193,39 @@ def _fsdp_policies(pair: _Pair) -> dict[str, Any]:
     return {}
 
 
-def _wrap_native(model: native_gpt.NativeGpt, pair: str) -> tuple[Any, int]:
-    """The torch-native wrapping of ``model`` for ``pair``; returns it and this rank's dp index."""
-    sizes, layout = _PAIRS[pair].mesh, (_PAIRS[pair].layout or pair).split("+offload")[0]
-    dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
+def _wrap_native(model: native_gpt.NativeGpt, pair: _Pair) -> tuple[Any, int]:
+    """The torch-native wrapping of ``model`` for ``pair``; returns it and this rank's dp index.
+
+    torchtitan's order: the TP plan, then (``pair.jit``) each block's forward compiled, then FSDP2 or DDP.
+    """
+    layout, device = pair.layout.split("+offload")[0], next(model.parameters()).device.type
+    dp, tp = pair.mesh.get("dp", 1), pair.mesh.get("tp", 1)
     dp_mesh = None
-    if _PAIRS[pair].jit:  # each block's forward its own graph (torchtitan's recipe); the wrappers' hooks stay eager
-        for block in model.blocks:
-            block.forward = torch.compile(block.forward, fullgraph=True)
     if tp > 1:
         names = ("dp", "tp") if dp > 1 else ("tp",)
-        mesh = init_device_mesh("cpu", (dp, tp) if dp > 1 else (tp,), mesh_dim_names=names)
+        mesh = init_device_mesh(device, (dp, tp) if dp > 1 else (tp,), mesh_dim_names=names)
         model = native_gpt.parallelize(model, mesh["tp"])
         dp_mesh = mesh["dp"] if dp > 1 else None
     elif layout == "zero3":
-        dp_mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        dp_mesh = init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
+    if pair.jit:  # each block's forward its own graph (torchtitan's recipe); the wrappers' hooks stay eager
+        native_gpt.compile_blocks(model)
     if layout == "dp":
         return DistributedDataParallel(model), dist.get_rank()
     if dp_mesh is not None:  # FSDP2: one all-gather group per block, then the rest (embeddings, norm)
-        policies = _fsdp_policies(_PAIRS[pair])
+        policies = _fsdp_policies(pair)
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh, **policies)
         fully_shard(model, mesh=dp_mesh, **policies)
     return model, 0 if dp_mesh is None else dp_mesh.get_local_rank()
 
 
-def _native(pair: str, cfg: gpt.Config, batch: dict, comm: list[int]):
-    sizes = _PAIRS[pair].mesh
-    model, dp_rank = _wrap_native(native_gpt.from_params(gpt.init(core.random.key(0), cfg), cfg), pair)
+def native_step(pair: _Pair, cfg: gpt.Config, batch: dict, comm: list[int]):
+    """``step(count) -> loss``: :class:`NativeGpt` (``gpt.init``'s weights, on ``batch``'s device) wrapped for
+    ``pair`` with ``torch.optim.AdamW``; ``comm`` as :func:`ours_step`'s (host copies not seen)."""
+    sizes = pair.mesh
+    model = native_gpt.from_params(gpt.init(core.random.key(0), cfg), cfg).to(batch["tokens"].device)
+    model, dp_rank = _wrap_native(model, pair)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     rows = len(batch["tokens"]) // sizes.get("dp", 1)
     local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
@@ -232,16 +251,16 @@ def _worker(side: str, pair: str, cfg_kw: dict, batch_size: int, steps: int, war
     rss0 = _rss_mb()
     batch = gpt.example_batch(cfg, batch_size)
     comm = [0, 0]
-    step = (_ours if side == "ours" else _native)(pair, cfg, batch, comm)
+    step = (ours_step if side == "ours" else native_step)(spec(pair), cfg, batch, comm)
     times, loss, mem = _timed(step, steps, warmup, measure=not _PAIRS[pair].jit)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
     peak = mem.peak / 2**20 if mem else float("nan")  # /jit pairs: not measured
     return {"times": times, "loss": loss, "peak_mb": peak, "rss_mb": rss, "comm_bytes": comm[0], "host_bytes": comm[1]}
 
 
-def _same_loss(pair: str, ours: float, native: float) -> bool:
+def same_loss(pair: _Pair, ours: float, native: float) -> bool:
     """fp32: rtol 1e-4; bf16: the tolerance rule at bf16 (the two sides round in different kernels)."""
-    if not _PAIRS[pair].bf16:
+    if not pair.bf16:
         return abs(ours - native) <= 1e-4 * max(1.0, abs(native))
     tol = tolerance(torch.tensor(native), ulps=LOW_PRECISION_ULPS[torch.bfloat16], dtype=torch.bfloat16)
     return abs(ours - native) <= tol.rtol * abs(native) + tol.atol
@@ -272,7 +291,7 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
                 res[side] += shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup)
         med = {s: statistics.median(statistics.median(r["times"]) for r in res[s]) * 1e3 for s in res}
         loss = {s: res[s][0]["loss"] for s in res}
-        if not _same_loss(layout, loss["ours"], loss["native"]):
+        if not same_loss(_PAIRS[layout], loss["ours"], loss["native"]):
             raise RuntimeError(
                 f"bench {layout} ({config}): step-1 losses differ: ours {loss['ours']} vs {native} "
                 f"{loss['native']}. Fix: the two sides do not run the same model."
@@ -298,7 +317,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 timed steps (a smoke run)")
     parser.add_argument("--pairs", nargs="+", default=[p for p in _PAIRS if p not in _JIT_PAIRS], choices=list(_PAIRS))
     parser.add_argument("--jit", action="store_true",
-                        help="add the compiled pairs (dp/jit, zero3/jit): train_step(jit=True) vs compiled blocks")
+                        help="add the compiled pairs (dp/jit, zero3/jit, tp+sp/jit, zero3+tp+sp/jit): "
+                             "train_step(jit=True) vs compiled blocks")
     parser.add_argument("--config", nargs="+", default=["gpt_small"], choices=["gpt_small", "comm"],
                         help="model configs to run (gpt_small: compute-bound; comm: communication dominates)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side and launch (median reported)")

@@ -11,6 +11,7 @@ import models.gpt as gpt
 import shardings
 from core import optim
 from experiments.bench import jit as bench_jit
+from experiments.bench import jit_sharded as bench_jit_sharded
 from shardings.testing import assert_close
 
 CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, mlp=64, seq_len=16)
@@ -104,3 +105,22 @@ def test_compiled_rows_native_and_shardlab_share_the_loss_and_ratios(monkeypatch
     by = _check_rows(rows, ["eager", "native", "jit", "native_compile"])
     assert by["jit"]["graphs"] == 1 and by["native_compile"]["graphs"] >= 1
     assert by["native_compile"]["vs_compiled"] == 1.0
+
+
+@needs_cxx
+@pytest.mark.multiprocess
+def test_sharded_rows_one_rank_against_fsdp2_share_the_loss(monkeypatch, tmp_path):
+    """--sharded: train_step on one rank (eager, jit=True) and FSDP2 (eager, compiled blocks), one step-1 loss."""
+    monkeypatch.setitem(bench_jit.CONFIGS, "micro", MICRO)
+    argv = ["--configs", "micro", "--steps", "2", "--warmup", "2", "--no-compile", "--csv", str(tmp_path / "b.csv")]
+    rows = bench_jit_sharded.run("micro", ["zero3", "zero3+tp+sp"], "cpu", steps=2, warmup=2, peak_tflops=1.0)
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == ["train_step/zero3", "train_step/zero3/jit", "train_step/zero3+tp+sp",
+                        "train_step/zero3+tp+sp/jit", "fsdp2", "fsdp2/compiled_blocks"]
+    tokens = MICRO.batch * MICRO.model["seq_len"]
+    for r in rows:  # run() raised past the rule (fp32 on the CPU: rtol 1e-4); the rounded values agree by it too
+        assert_close(torch.tensor(r["loss"]), torch.tensor(by["fsdp2"]["loss"]), terms=tokens)
+    assert by["fsdp2"]["vs_native"] == 1.0 and by["fsdp2/compiled_blocks"]["vs_compiled"] == 1.0
+    assert by["train_step/zero3/jit"]["graphs"] >= 1 and by["train_step/zero3"]["graphs"] == 0
+    rows = bench_jit.main([*argv, "--sharded", "zero3"])  # the CLI: the single-device rows, then the sharded ones
+    assert [r["variant"] for r in rows] == ["eager", "native", "train_step/zero3", "fsdp2"]

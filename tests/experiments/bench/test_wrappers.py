@@ -72,3 +72,16 @@ def test_quick_bf16_and_offload_pairs_same_loss_and_measured_bytes(tmp_path):
     assert offload["native_comm_bytes"] == _fsdp2_bytes(4, 4)
     assert 0 <= offload["ours_comm_bytes"] - offload["native_comm_bytes"] < 64
     assert offload["ours_host_bytes"] == 5 * FOUR_P // 4
+
+
+@pytest.mark.multiprocess
+def test_quick_compiled_tp_pairs_same_loss_as_torchtitans_recipe(tmp_path):
+    """tp+sp/jit and zero3+tp+sp/jit: the TP plan, then compiled blocks, then FSDP2 on the torch side
+    (run() raised already if the step-1 losses differed by its rule; here by the tolerance rule too)."""
+    tp, zero3_tp = bench.main(["--quick", "--jit", "--pairs", "tp+sp/jit", "zero3+tp+sp/jit",
+                               "--csv", str(tmp_path / "b.csv")])[-2:]
+    assert tp["pair"] == "tp+sp/jit vs parallelize_module + compiled blocks"
+    assert zero3_tp["pair"] == "zero3+tp+sp/jit vs FSDP2+TP + compiled blocks"
+    for row in (tp, zero3_tp):
+        _assert_same_loss(row)
+        assert row["ours_ms"] > 0 and row["native_ms"] > 0
