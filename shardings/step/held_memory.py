@@ -11,12 +11,12 @@ import torch
 from core import tree
 from shardings.comm import accounting
 from shardings.spec.mesh import Mesh, P
-from shardings.step import dtensor_path
+from shardings.step import dtensor_path, ownership
 
 if TYPE_CHECKING:
     from shardings.step.train_step import ParamPlan
 
-__all__ = ["compute_copy_bytes", "grad_bytes"]
+__all__ = ["compute_copy_bytes", "grad_bytes", "roles"]
 
 
 def grad_bytes(plan: ParamPlan, mesh: Mesh, params: Any, grads: Any) -> int:
@@ -40,3 +40,13 @@ def compute_copy_bytes(dtype: torch.dtype | None, params: Any) -> int:
         return 0
     held = [p for p in tree.leaves(params) if p.is_floating_point() and p.dtype != dtype]
     return accounting.memory(held) * dtype.itemsize // max(1, held[0].dtype.itemsize) if held else 0
+
+
+def roles(params: Any, opt_state: Any, grad_nbytes: int, compute: torch.dtype | None, host: Any) -> dict[str, int]:
+    """``metrics["memory"]``: bytes per rank by role after a step — the params and optimizer state this rank holds
+    (another stage's absent blocks not counted), their compute-dtype copies, the gradients (:func:`grad_bytes`),
+    and ``host``: those of the roles in ``host`` (the layout's offloaded roles) that live in host memory."""
+    held = lambda t: accounting.memory([x for x in tree.leaves(t) if not ownership.is_absent(x)])
+    return {"params": held(params), "compute": compute_copy_bytes(compute, params), "grads": grad_nbytes,
+            "opt_state": held(opt_state),
+            "host": sum(accounting.memory(t) for r, t in (("params", params), ("opt_state", opt_state)) if r in host)}

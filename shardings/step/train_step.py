@@ -289,7 +289,6 @@ class TrainStep:
             new_params, new_state = self.apply(params, opt_state, grads)
             if "params" in self.layout.host:
                 new_params = offload.to_host(new_params)
-        held = lambda t: accounting.memory([x for x in tree.leaves(t) if not ownership.is_absent(x)])
         if self._grad_nbytes is None:  # static for a plan
             self._grad_nbytes = held_memory.grad_bytes(self._plan, self.mesh, params, grads)
         scalars = self.scalar_metrics
@@ -299,14 +298,7 @@ class TrainStep:
             "tokens": int(_scalar(tokens)) if scalars else None,
             "comm": c.rows() if c else None,
             "comm_bytes": c.total_bytes() if c else None,
-            "memory": {
-                "params": held(new_params),
-                "compute": held_memory.compute_copy_bytes(self.cast.compute, new_params),
-                "grads": self._grad_nbytes,
-                "opt_state": held(new_state),
-                "host": sum(accounting.memory(t) for r, t in (("params", new_params), ("opt_state", new_state))
-                            if r in self.layout.host),
-            },
+            "memory": held_memory.roles(new_params, new_state, self._grad_nbytes, self.cast.compute, self.layout.host),
         }
         if self.scaler is None and scalars:  # fp16's loss scale skips such a step instead (apply)
             finite.check(self.mesh, grads, metrics["grad_norm"])
