@@ -15,9 +15,10 @@ microbatch's residual stream) are added from the schedule. A real pipeline rank 
 outside the blocks and its own blocks: its numbers are the same bilinear form at its blocks. Its peak is measured
 by two more probes (``L ∈ {2p, 3p}``, affine in ``L``) that run, at ``pp = 1``, a one-rank schedule holding what
 the busiest rank holds at once (:func:`busiest_rank`: its microbatches in flight, with the accumulated gradients
-where 1F1B's steady state has them), each the second step of its train step: the first leaves its unreduced
-gradients in ``TrainStep.last`` until the second ends, as on a real rank. Against 4 gloo processes (gpt 4×64,
-pp2_dp2) that peak is within 2.1% for zero1/2/3+pp and bf16 zero2+pp (``tests/shardings/planner/test_peak_memory.py``).
+where 1F1B's steady state has them). A step holds nothing of the step before but its parameters and optimizer
+state (the schedule's result it keeps, ``TrainStep.last``, drops its gradients), so one step from ``init`` is
+what every later step holds. Against 4 gloo processes (gpt 4×64, pp2_dp2) that peak is within 2.5% for zero1/2/3+pp
+and bf16 zero2+pp (``tests/shardings/planner/test_peak_memory.py``).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def _policy(name: str) -> Any:
 @functools.lru_cache(maxsize=256)
 def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], rows: int, precision: str,
              microbatches: int, optimizer: Any, peak_probe: Schedule | None = None) -> Measured:
-    """One fake step; with ``peak_probe`` (a :func:`busiest_rank` schedule) the second step, run by it."""
+    """One fake step; with ``peak_probe`` (a :func:`busiest_rank` schedule) run by it."""
     pipelined = layout_of(layout).pipelined
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches,
-                   schedule=(peak_probe or "gpipe") if pipelined else None, second_step=peak_probe is not None)
+                   schedule=(peak_probe or "gpipe") if pipelined else None)
 
 
 def _values(m: Measured) -> dict[str, Any]:

@@ -32,11 +32,12 @@ def _peaks(cands: list[Candidate]) -> list[int]:
     out = []
     for cand in cands:
         mesh = shardings.Mesh(cand.sizes)
+        stages = dict(schedule=cand.schedule, virtual_stages=cand.virtual_stages) if cand.pipelined else {}
         params = shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG),
-                                layout=cand.layout, mesh=mesh)
+                                layout=cand.layout, mesh=mesh, **stages)
         policy = POLICIES[cand.precision]
         loss = models.gpt.stages(CFG) if cand.pipelined else functools.partial(models.gpt.loss, cfg=CFG)
-        batching = (dict(microbatches=cand.microbatches, schedule=cand.schedule) if cand.pipelined
+        batching = (dict(microbatches=cand.microbatches, **stages) if cand.pipelined
                     else dict(accum_steps=cand.microbatches))
         step = shardings.train_step(loss, core.optim.adamw(1e-3), layout=cand.layout, mesh=mesh, count_comms=False,
                                     donate=True, scalar_metrics=False, precision=policy and policy(), **batching)
