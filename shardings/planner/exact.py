@@ -92,9 +92,11 @@ def _affine(points: dict[tuple[int, int], dict[str, Any]], period: int, blocks: 
 
 
 def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int,
-          estimated: Prediction) -> Prediction:
+          estimated: Prediction, *, peak_probes: bool = True) -> Prediction:
     """The exact :class:`~shardings.planner.prediction.Prediction` of ``cand`` (module docstring); ``estimated``
     (its quick estimate) splits the measured transient bytes into activations and buffers for the breakdown.
+    ``peak_probes=False`` skips a pipelined candidate's two peak probes (for its comm bytes alone: its peak is then
+    the one-stage probes' and not a pipeline rank's).
 
     Raises:
         ValueError, ShardingError: the step refuses the candidate (what ``shardings.train_step`` raises).
@@ -125,7 +127,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
                   for L in (la, la + period) for k in (1, 2)}
         held = {L: _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout, mesh,
                                     rows_mb * busiest.microbatches, cand.precision, busiest.microbatches, optimizer,
-                                    busiest)) for L in (la, la + period)}
+                                    busiest)) for L in (la, la + period) if peak_probes}
         blocks = estimated.blocks
         total = _affine(points, period, cfg.layers, cand.microbatches)
         rank = _affine(points, period, blocks, cand.microbatches)
@@ -134,7 +136,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
     host = sum(float(rank.get(f"role/{r}", 0)) for r in ("host",))
     peak = float(rank["peak"]) - host
-    if cand.pipelined:
+    if cand.pipelined and peak_probes:
         # the peak: the probe that runs the busiest rank's actions (module docstring)
         peak = float(_affine({(L, 1): v for L, v in held.items()}, period, blocks, 1)["peak"]) - host
     memory = {r: float(rank.get(f"role/{r}", 0)) for r in ("params", "compute", "grads", "opt_state")}
