@@ -1,7 +1,7 @@
 """Predicted peak memory per rank is within 5% of ``shardings.peak_memory`` measured on real processes.
 
-One launch of 4 gloo processes runs a step of each layout (the second step: the first has no optimizer state
-yet, and a pipelined step holds the first's unreduced gradients) under ``peak_memory`` and reports every rank's
+One launch of 4 gloo processes runs a step of each layout (the second step, as in a
+training run after the first) under ``peak_memory`` and reports every rank's
 peak; the planner predicts the same layouts on fake tensors. Pipelined ones included: ZeRO-1/2/3 inside the
 stages, 1F1B and GPipe, and a bf16 policy.
 """
