@@ -73,7 +73,7 @@ def _local_numel(g: DTensor) -> int:
 
 
 def plan(grads: Sequence[torch.Tensor], targets: Sequence[Sequence[Placement]],
-         bucket_mb: float | None = DEFAULT_BUCKET_MB) -> list[Bucket]:
+         bucket_mb: float | None = DEFAULT_BUCKET_MB, dtype: torch.dtype | None = None) -> list[Bucket]:
     """The buckets :func:`reduce` will use for ``grads`` going to ``targets``.
 
     A leaf larger than the cap gets a bucket of its own; ``bucket_mb=None`` or ``0`` means no
@@ -83,6 +83,7 @@ def plan(grads: Sequence[torch.Tensor], targets: Sequence[Sequence[Placement]],
         grads: gradients (DTensors; others are never bucketed).
         targets: each gradient's placements after the reduction.
         bucket_mb: the cap of one bucket's flat buffer, in MB (10**6 bytes).
+        dtype: the dtype floating gradients are reduced in (:func:`reduce` casts them); ``None``: their own.
 
     Returns:
         The buckets, in the order their collectives run.
@@ -101,8 +102,9 @@ def plan(grads: Sequence[torch.Tensor], targets: Sequence[Sequence[Placement]],
     for i, (g, tgt) in enumerate(zip(grads, targets)):
         if not isinstance(g, DTensor) or not _bucketable(g, tgt):
             continue
-        key = (id(g.device_mesh), tuple(g.placements), _reduced(g.placements), g.dtype)
-        nbytes = _local_numel(g) * g.element_size()
+        reduced_dtype = _dtype(g, dtype)
+        key = (id(g.device_mesh), tuple(g.placements), _reduced(g.placements), reduced_dtype)
+        nbytes = _local_numel(g) * reduced_dtype.itemsize
         cur = open_.get(key)
         if cur is not None and cur[1] + nbytes > cap:
             done.append(Bucket(tuple(cur[0]), key[1], key[2], cur[1]))
@@ -120,11 +122,15 @@ def _flat_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(p if isinstance(p, Partial) else Replicate() for p in placements)
 
 
-def _reduce_bucket(grads: Sequence[DTensor], bucket: Bucket) -> list[DTensor]:
+def _dtype(g: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and g.is_floating_point() else g.dtype
+
+
+def _reduce_bucket(grads: Sequence[DTensor], bucket: Bucket, dtype: torch.dtype | None) -> list[DTensor]:
     parts = [grads[i] for i in bucket.leaves]
     mesh = parts[0].device_mesh
     locals_ = [g.to_local() for g in parts]
-    flat = torch.cat([x.reshape(-1) for x in locals_])  # (sum of local numels,)
+    flat = torch.cat([x.reshape(-1) for x in locals_]).to(_dtype(parts[0], dtype))  # (sum of local numels,)
     buf = DTensor.from_local(flat, mesh, _flat_placements(bucket.source), run_check=False,
                              shape=flat.shape, stride=(1,))
     out = buf.redistribute(mesh, _flat_placements(bucket.target)).to_local()
@@ -136,13 +142,16 @@ def _reduce_bucket(grads: Sequence[DTensor], bucket: Bucket) -> list[DTensor]:
 
 
 def reduce(grads: Sequence[torch.Tensor], targets: Sequence[Sequence[Placement]],
-           bucket_mb: float | None = DEFAULT_BUCKET_MB) -> list[torch.Tensor]:
-    """``[g.redistribute(mesh, t) for g, t in zip(grads, targets)]``, with one collective per bucket.
+           bucket_mb: float | None = DEFAULT_BUCKET_MB, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """``[g.to(dtype).redistribute(mesh, t) for g, t in zip(grads, targets)]``, with one collective per bucket.
 
     Args:
         grads: gradients as DTensors (typically ``Partial`` over the data axes).
         targets: each gradient's placements after the reduction.
         bucket_mb: bucket cap in MB; ``None``/``0``: one redistribute per leaf.
+        dtype: the dtype floating gradients are reduced in (a precision policy's reduce dtype), cast one bucket
+            (or leaf) at a time as it is reduced: a copy of every gradient in it is never held at once.
+            ``None``: their own dtype.
 
     Returns:
         The reduced gradients, in the order of ``grads``; values equal the per-leaf reduction.
@@ -150,10 +159,10 @@ def reduce(grads: Sequence[torch.Tensor], targets: Sequence[Sequence[Placement]]
     >>> reduced = reduce(grads, [(Replicate(),)] * len(grads))  # doctest: +SKIP
     """
     out: list[torch.Tensor | None] = [None] * len(grads)
-    for b in plan(grads, targets, bucket_mb):
-        for i, r in zip(b.leaves, _reduce_bucket(grads, b)):
+    for b in plan(grads, targets, bucket_mb, dtype):
+        for i, r in zip(b.leaves, _reduce_bucket(grads, b, dtype)):
             out[i] = r
-    for i, (g, tgt) in enumerate(zip(grads, targets)):
-        g = grads[i] if out[i] is None else out[i]
+    for i, tgt in enumerate(targets):
+        g = grads[i].to(_dtype(grads[i], dtype)) if out[i] is None else out[i]
         out[i] = g if tuple(g.placements) == tuple(tgt) else g.redistribute(g.device_mesh, tgt)
     return out

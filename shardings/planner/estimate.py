@@ -144,7 +144,9 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     mine = work(blocks, state["opt_bytes"])
     replica = work(cfg.layers, state["opt_bytes"] * cfg.layers / blocks) if cand.pipelined else None
     saved = _saved(prof, blocks, local_rows / m, t, c, sp, in_flight)
-    buffers = _buffers(leaves, reps, compute, DTYPES[cand.precision][1], layout, cand, prof, local_rows / m, split)
+    buffers = _buffers(leaves, reps, compute, layout, cand, prof, local_rows / m, split)
+    if cand.pipelined:  # the reduction's copy, once the schedule's activations are freed
+        buffers += max(0.0, _reduction_copy(leaves, reps, DTYPES[cand.precision][1] or compute) - saved)
     memory = {"params": state["params"], "compute": state["compute"], "grads": state["grads"],
               "opt_state": state["opt_state"], "activations": saved, "buffers": buffers}
     host = sum(memory[r] for r in layout.host)
@@ -315,25 +317,37 @@ def _saved(prof: Profile, blocks: int, rows_mb: float, t: int, c: int, sp: bool,
     return (split(prof.block) * blocks * in_flight + split(prof.edge)) * rows_mb
 
 
-def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
-             layout: layouts.Layout, cand: Candidate, prof: Profile, rows_mb: float, split: int) -> float:
+def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, layout: layouts.Layout,
+             cand: Candidate, prof: Profile, rows_mb: float, split: int) -> float:
     """Gathered parameters and transient gradients: ZeRO-3 holds two blocks gathered (one prefetched) and their
     gradients, or under ``pp`` the whole stage gathered for the step; a remat block's activations in backward.
-    Under ``pp`` a rank also holds its stage's unreduced gradients (compute layout) twice: in compute dtype the ones
-    the microbatches accumulate, next to the step before's, which the step keeps (``TrainStep.last``) until the
-    schedule ends, or their copy in reduce dtype for the reduction after it (the larger: a policy reduces in fp32)."""
-    def gathered(group: Any, k: float, dtype: torch.dtype | None = compute, every: bool = False) -> float:
-        return sum(k * leaf.numel["compute"] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
-                   for leaf in group if leaf.gather or every)
+    Under ``pp`` a rank also holds its stage's unreduced gradients (compute layout, compute dtype: the microbatches
+    accumulate them) until their reduction after the schedule ends (:func:`_reduction_copy`)."""
+    def gathered(group: Any, k: float) -> float:
+        return sum(k * leaf.numel["compute"] * (compute.itemsize if compute and leaf.floating else leaf.itemsize)
+                   for leaf in group if leaf.gather)
 
     block = gathered(leaves.period, 1.0 / leaves.period_blocks)
     out = gathered(leaves.edge, 1.0) + (gathered(leaves.period, reps) if cand.pipelined else 4 * block)
     if cand.pipelined:
-        for dtype in (compute, reduce or compute):
-            out += gathered(leaves.edge, 1.0, dtype, True) + gathered(leaves.period, reps, dtype, True)
+        out += _gradients(leaves, reps, compute)
     if cand.remat:
         out += prof.block.saved * rows_mb / split  # one block's activations, recomputed in backward
     return out
+
+
+def _gradients(leaves: model_state.Leaves, reps: float, dtype: torch.dtype | None) -> float:
+    """Bytes of a pipelined rank's unreduced gradients (compute layout) in ``dtype``."""
+    size = lambda leaf: leaf.numel["compute"] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
+    return sum(size(leaf) for leaf in leaves.edge) + reps * sum(size(leaf) for leaf in leaves.period)
+
+
+def _reduction_copy(leaves: model_state.Leaves, reps: float, dtype: torch.dtype | None) -> float:
+    """The transient of a pipelined rank's gradient reduction after the schedule (its activations freed by then):
+    one bucket's flat copy in reduce dtype (``shardings.comm.buckets.reduce`` casts a bucket at a time), the larger
+    of a bucket and the largest gradient, at most all of them."""
+    largest = max(_gradients(model_state.Leaves((leaf,), (), 1), 0, dtype) for leaf in (*leaves.edge, *leaves.period))
+    return min(max(_BUCKET, largest), _gradients(leaves, reps, dtype))
 
 
 def _overlapped(rows: dict[tuple[str, str], Any], layout: layouts.Layout, cand: Candidate) -> frozenset:

@@ -15,9 +15,10 @@ microbatch's residual stream) are added from the schedule. A real pipeline rank 
 outside the blocks and its own blocks: its numbers are the same bilinear form at its blocks. Its peak is measured
 by two more probes (``L ∈ {2p, 3p}``, affine in ``L``) that run, at ``pp = 1``, a one-rank schedule holding what
 the busiest rank holds at once (:func:`busiest_rank`: its microbatches in flight, with the accumulated gradients
-where 1F1B's steady state has them), each the second step of its train step: the first leaves its unreduced
-gradients in ``TrainStep.last`` until the second ends, as on a real rank. Against 4 gloo processes (gpt 4×64,
-pp2_dp2) that peak is within 2.1% for zero1/2/3+pp and bf16 zero2+pp (``tests/shardings/planner/test_peak_memory.py``).
+where 1F1B's steady state has them). A step holds nothing of the step before but its parameters and optimizer
+state (the schedule's result it keeps, ``TrainStep.last``, drops its gradients), so one step from ``init`` is
+what every later step holds. Against 4 gloo processes (gpt 4×64, pp2_dp2) that peak is within 2.5% for zero1/2/3+pp
+and bf16 zero2+pp (``tests/shardings/planner/test_peak_memory.py``).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def _policy(name: str) -> Any:
 @functools.lru_cache(maxsize=256)
 def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], rows: int, precision: str,
              microbatches: int, optimizer: Any, peak_probe: Schedule | None = None) -> Measured:
-    """One fake step; with ``peak_probe`` (a :func:`busiest_rank` schedule) the second step, run by it."""
+    """One fake step; with ``peak_probe`` (a :func:`busiest_rank` schedule) run by it."""
     pipelined = layout_of(layout).pipelined
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches,
-                   schedule=(peak_probe or "gpipe") if pipelined else None, second_step=peak_probe is not None)
+                   schedule=(peak_probe or "gpipe") if pipelined else None)
 
 
 def _values(m: Measured) -> dict[str, Any]:
@@ -91,9 +92,11 @@ def _affine(points: dict[tuple[int, int], dict[str, Any]], period: int, blocks: 
 
 
 def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int,
-          estimated: Prediction) -> Prediction:
+          estimated: Prediction, *, peak_probes: bool = True) -> Prediction:
     """The exact :class:`~shardings.planner.prediction.Prediction` of ``cand`` (module docstring); ``estimated``
     (its quick estimate) splits the measured transient bytes into activations and buffers for the breakdown.
+    ``peak_probes=False`` skips a pipelined candidate's two peak probes (for its comm bytes alone: its peak is then
+    the one-stage probes' and not a pipeline rank's).
 
     Raises:
         ValueError, ShardingError: the step refuses the candidate (what ``shardings.train_step`` raises).
@@ -124,7 +127,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
                   for L in (la, la + period) for k in (1, 2)}
         held = {L: _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout, mesh,
                                     rows_mb * busiest.microbatches, cand.precision, busiest.microbatches, optimizer,
-                                    busiest)) for L in (la, la + period)}
+                                    busiest)) for L in (la, la + period) if peak_probes}
         blocks = estimated.blocks
         total = _affine(points, period, cfg.layers, cand.microbatches)
         rank = _affine(points, period, blocks, cand.microbatches)
@@ -133,7 +136,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
     host = sum(float(rank.get(f"role/{r}", 0)) for r in ("host",))
     peak = float(rank["peak"]) - host
-    if cand.pipelined:
+    if cand.pipelined and peak_probes:
         # the peak: the probe that runs the busiest rank's actions (module docstring)
         peak = float(_affine({(L, 1): v for L, v in held.items()}, period, blocks, 1)["peak"]) - host
     memory = {r: float(rank.get(f"role/{r}", 0)) for r in ("params", "compute", "grads", "opt_state")}

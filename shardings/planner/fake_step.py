@@ -189,8 +189,7 @@ def _fake_params(model: Any, cfg: Any, layout: layouts.Layout, mesh: Mesh, mode:
 
 def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_rows: int,
             optimizer: Any = None, precision: Any = None, microbatches: int = 1, schedule: str | None = None,
-            virtual_stages: int | None = None, stage_sizes: list[int] | None = None,
-            second_step: bool = False) -> Measured:
+            virtual_stages: int | None = None, stage_sizes: list[int] | None = None) -> Measured:
     """Run one train step of ``model`` on fake tensors as rank 0 of ``mesh`` and measure it (module docstring).
 
     Args:
@@ -205,8 +204,6 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         schedule: with ``pp``, the schedule's name (default ``1f1b``).
         virtual_stages: with ``pp`` and an interleaved schedule, stages per rank.
         stage_sizes: with ``pp``, blocks per stage.
-        second_step: measure a second step, through which the first's leftovers are held (a pipelined step's
-            unreduced gradients, in ``TrainStep.last``), as in every step after the first on a real rank.
 
     Returns:
         A :class:`Measured`.
@@ -230,11 +227,8 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
                               **(pipeline if layout.pipelined else {}))
             state = step.init(params)
             params = step.stored(params)  # as steps after the first see them (zero1/2 + policy: the compute copy)
-            if second_step:  # the step before holds what it leaves (a pipeline's gradients: step.last) through this
-                params, state, _ = step(params, state, batch)
-            held = step.last.grads if step.last is not None else None
             counter = OpCounter()
-            with peak_memory(roots=(params, state, batch, held)) as peak, counter, comms() as sent:
+            with peak_memory(roots=(params, state, batch)) as peak, counter, comms() as sent:
                 _, _, metrics = step(params, state, batch)
         comm = sent.totals()  # the step's own collectives (no scalar metrics: nothing after them), unrounded
         pipe = metrics.get("pipeline")

@@ -64,7 +64,8 @@ class Ranking:
 
     Attributes:
         rows: the candidates that fit, fastest first.
-        dropped: ``candidate -> why`` for those that do not fit (or cannot run).
+        dropped: ``candidate -> why`` for those that do not fit, cannot run, or whose exact prediction failed
+            (:func:`describe_failure`: listed under the table too).
         cluster: the cluster planned for.
         seconds: how long the search took.
         searched: how many candidates were considered.
@@ -123,6 +124,7 @@ class Ranking:
                          f"{_seconds(t.exposed):>9}  {_seconds(t.busy):>9}  {p.bubble:>6.1%}  {r.candidate}")
         if self.rows:
             lines.append("winner: " + " ".join(self.overrides()))
+        lines += [f"failed: {c}: {why}" for c, why in self.dropped.items() if why.startswith(FAILED)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -131,6 +133,8 @@ class Ranking:
     def explain(self, candidate: Candidate) -> str:
         """Where ``candidate``'s step time and memory go, and why it ranks where it does (or was dropped)."""
         if candidate in self.dropped and not self._ranked(candidate):
+            if self.dropped[candidate].startswith(FAILED):  # predicting it again would raise again
+                return f"{candidate}: dropped — {self.dropped[candidate]}"
             row = self.row(candidate)
             return "\n".join([f"{candidate}: dropped — {self.dropped[candidate]}", self._breakdown(row)])
         row = self.row(candidate)
@@ -179,6 +183,15 @@ class Ranking:
             mine, theirs = float(row.prediction.comm_bytes()), float(best.prediction.comm_bytes())
             why += f" ({mine / theirs:.2g}× the comm bytes)" if theirs else f" ({gb(mine)} sent, the winner none)"
         return f"  vs the winner ({best.candidate}): {ratio:.2f}× its step; mostly {why}"
+
+
+FAILED = "its exact prediction failed"
+
+
+def describe_failure(error: BaseException) -> str:
+    """Why a candidate's exact prediction raised, as its drop reason: ``"its exact prediction failed: TypeError: ..."``
+    (a bug in the step or its probe, not the layout: the search goes on without it)."""
+    return f"{FAILED}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def describe_state_drop(state: dict[str, float], cluster: Cluster) -> str:

@@ -8,7 +8,8 @@
 3. The fastest estimates are run exactly (:mod:`shardings.planner.exact`: fake steps at two depths), best first,
    until ``top_k`` exact candidates fit and no estimate left is faster than the ``top_k``-th exact one, or
    ``budget_s`` would be spent before another exact prediction as long as the longest so far ends. An exact
-   candidate that does not fit is dropped with its numbers, and so is an estimate over the memory. An estimate
+   candidate that does not fit is dropped with its numbers, and so is an estimate over the memory; one whose
+   exact prediction raises is dropped with the error (listed under the table) and the search goes on. An estimate
    that the exact runs so far say will not fit (its peak times their
    median ratio of exact to estimated peak) is not run; it stays in the table, marked as an estimate. The
    estimates leave things out (the step's own ops and copies): each is scaled by the median ratio of exact to
@@ -27,7 +28,7 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import step_time
 from shardings.planner.model_profile import block_period, profile
-from shardings.planner.ranking import Ranking, Row, describe_drop, describe_state_drop
+from shardings.planner.ranking import Ranking, Row, describe_drop, describe_failure, describe_state_drop
 from shardings.spec.errors import ShardingError
 
 __all__ = ["plan"]
@@ -123,6 +124,9 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
             pred = predict(row.candidate)
         except (ShardingError, ValueError, RuntimeError) as e:
             dropped[row.candidate] = f"the step refuses it: {str(e).splitlines()[0]}"
+            continue
+        except Exception as e:  # a bug in its step or probe: this candidate's failure, not the search's
+            dropped[row.candidate] = describe_failure(e)
             continue
         finally:
             longest = max(longest, time.perf_counter() - started)

@@ -37,6 +37,7 @@ instead of one block's) from the first forward to the last backward, next to the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -83,12 +84,15 @@ def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any, scale: torc
     with implicit_replication():
         result = run(pipe.schedule, _in_stage(step, compiled), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
                      carry_layout=carry)
-    step.last = result
-    g, opt_pl = [step.cast.to_reduce(x) for x in tree.leaves(result.grads)], plan.placements["opt_state"]
+    step.last = dataclasses.replace(result, grads=None)  # its timeline and peaks; the grads are reduced below
+    g, opt_pl = tree.leaves(result.grads), plan.placements["opt_state"]
     held = own.held(len(g))
-    mine = dict(zip(held, buckets.reduce([g[i] for i in held], [opt_pl[i] for i in held], step.bucket_mb)))
+    # cast to reduce dtype bucket by bucket as each is reduced: never a copy of every gradient at once
+    mine = dict(zip(held, buckets.reduce([g[i] for i in held], [opt_pl[i] for i in held], step.bucket_mb,
+                                         step.cast.reduce)))
     # another stage's block: absent, stored like its optimizer state
-    reduced = [mine[i] if i in mine else absent(x.shape, x.dtype, step.mesh, opt_pl[i]) for i, x in enumerate(g)]
+    reduced = [mine[i] if i in mine else absent(x.shape, step.cast.to_reduce(x).dtype, step.mesh, opt_pl[i])
+               for i, x in enumerate(g)]
     ownership.sum_shared(own, reduced)  # the first and the last stage each hold part (reduced in-stage first)
     loss = result.loss if scale is None else result.loss / scale
     return loss, tree.unflatten(plan.treedef, reduced), total

@@ -68,3 +68,23 @@ def test_reduce_scatters_and_already_reduced_grads_are_not_bucketed():
 def test_negative_bucket_size_is_a_clear_error():
     with pytest.raises(ValueError, match=r"bucket_mb=-1.*Fix:"):
         buckets.plan([], [], bucket_mb=-1)
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 80e-6])
+def test_reducing_in_a_dtype_casts_per_bucket_like_casting_every_gradient_first(bucket_mb):
+    """``dtype=``: the pp path's bf16 gradients reduced in fp32, cast a bucket (or leaf) at a time: the same buckets
+    (planned in the reduce dtype: 80 bytes hold two 10-element fp32 leaves, not four bf16 ones) and the same values as
+    casting every gradient before the reduction."""
+    mesh = Mesh(dp=2)
+    with shardings.simulate(2):
+        grads = [_partial(s, mesh, (Partial(),), i).to(torch.bfloat16) for i, s in enumerate([(10,), (10,), (10,)])]
+        targets = [(Replicate(),)] * 3
+        got = buckets.reduce(grads, targets, bucket_mb, torch.float32)
+        cast = [g.to(torch.float32) for g in grads]
+        want = buckets.reduce(cast, targets, bucket_mb)
+        assert buckets.plan(grads, targets, bucket_mb, torch.float32) == buckets.plan(cast, targets, bucket_mb)
+        assert [b.leaves for b in buckets.plan(grads, targets, 80e-6, torch.float32)] == [(0, 1), (2,)]
+        for a, b in zip(got, want):
+            assert a.dtype == torch.float32 and tuple(a.placements) == (Replicate(),)
+            assert all(torch.equal(x, y) for x, y in zip(shardings.per_rank(a.to_local()),
+                                                         shardings.per_rank(b.to_local())))

@@ -12,7 +12,11 @@ from hypothesis import strategies as st
 import core
 import models
 import shardings
-from shardings.planner import Candidate, Cluster, Link, Space, enumerate_candidates, plan
+from shardings.planner import Candidate, Cluster, Link, Space, enumerate_candidates
+from shardings.planner import estimate as estimates
+from shardings.planner import exact as exacts
+from shardings.planner.model_profile import block_period
+from shardings.planner.search import _profiles
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, mlp=64, seq_len=16)
 ROWS = 8
@@ -54,10 +58,11 @@ def _world(cand: Candidate) -> int:
 
 
 def _predicted(cand: Candidate) -> dict:
-    ranking = plan(models.gpt, CFG, (ROWS, CFG.seq_len), _cluster(_world(cand)), candidates=[cand], top_k=1,
-                   budget_s=1e9)
-    pred = ranking.row(cand).prediction
-    assert pred.exact
+    """The planner's exact bytes per (kind, axis) for all ranks; its peak probes skipped (their peaks are checked
+    against real processes in test_peak_memory, and a probe's collectives are the comm probes')."""
+    opt, period = core.optim.adamw(1e-3), block_period(models.gpt, CFG)
+    est = estimates.estimate(models.gpt, CFG, ROWS, cand, opt, _profiles(models.gpt, CFG, cand), period)
+    pred = exacts.exact(models.gpt, CFG, ROWS, cand, opt, period, est, peak_probes=False)
     return {k: round(b) for k, (_, b) in pred.simulated.items() if round(b)}
 
 

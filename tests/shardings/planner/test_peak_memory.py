@@ -1,7 +1,7 @@
 """Predicted peak memory per rank is within 5% of ``shardings.peak_memory`` measured on real processes.
 
-One launch of 4 gloo processes runs a step of each layout (the second step: the first has no optimizer state
-yet, and a pipelined step holds the first's unreduced gradients) under ``peak_memory`` and reports every rank's
+One launch of 4 gloo processes runs a step of each layout (the second step, as in a
+training run after the first) under ``peak_memory`` and reports every rank's
 peak; the planner predicts the same layouts on fake tensors. Pipelined ones included: ZeRO-1/2/3 inside the
 stages, 1F1B and GPipe, and a bf16 policy.
 """
@@ -32,11 +32,12 @@ def _peaks(cands: list[Candidate]) -> list[int]:
     out = []
     for cand in cands:
         mesh = shardings.Mesh(cand.sizes)
+        stages = dict(schedule=cand.schedule, virtual_stages=cand.virtual_stages) if cand.pipelined else {}
         params = shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG),
-                                layout=cand.layout, mesh=mesh)
+                                layout=cand.layout, mesh=mesh, **stages)
         policy = POLICIES[cand.precision]
         loss = models.gpt.stages(CFG) if cand.pipelined else functools.partial(models.gpt.loss, cfg=CFG)
-        batching = (dict(microbatches=cand.microbatches, schedule=cand.schedule) if cand.pipelined
+        batching = (dict(microbatches=cand.microbatches, **stages) if cand.pipelined
                     else dict(accum_steps=cand.microbatches))
         step = shardings.train_step(loss, core.optim.adamw(1e-3), layout=cand.layout, mesh=mesh, count_comms=False,
                                     donate=True, scalar_metrics=False, precision=policy and policy(), **batching)

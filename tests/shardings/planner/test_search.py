@@ -7,6 +7,7 @@ import pytest
 import models
 import shardings
 from shardings.planner import Candidate, Cluster, Link, Space
+from shardings.planner import exact as exacts
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, mlp=64, seq_len=16)
 
@@ -58,3 +59,20 @@ def test_a_candidate_the_step_cannot_run_is_dropped_with_the_step_s_reason():
     assert "kv_heads" in ranking.dropped[bad] and "not divisible by 4" in ranking.dropped[bad]
     with pytest.raises(ValueError, match=r"no candidate fits.*Fix"):
         ranking.winner  # noqa: B018
+
+
+def test_a_candidate_whose_exact_prediction_raises_is_dropped_with_its_error_and_the_search_goes_on(monkeypatch):
+    broken, fine = Candidate("zero3", (("dp", 4),)), Candidate("zero2", (("dp", 4),))
+    exact = exacts.exact
+
+    def exact_or_bug(model, cfg, rows, cand, *args):
+        if cand == broken:
+            raise TypeError("a planted bug\nsecond line")
+        return exact(model, cfg, rows, cand, *args)
+
+    monkeypatch.setattr(exacts, "exact", exact_or_bug)
+    ranking = shardings.plan(models.gpt, CFG, (8, 16), _cluster(), candidates=[broken, fine], top_k=2, budget_s=1e9)
+    assert ranking.dropped[broken] == "its exact prediction failed: TypeError: a planted bug"
+    assert [r.candidate for r in ranking.rows] == [fine] and ranking.winner.prediction.exact
+    assert f"failed: {broken}: its exact prediction failed: TypeError: a planted bug" in ranking.table()
+    assert ranking.explain(broken) == f"{broken}: dropped — its exact prediction failed: TypeError: a planted bug"
