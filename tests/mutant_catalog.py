@@ -325,8 +325,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- the compiled step (train_step(jit=True)) ---------------------------------------------------------
     Mutant("jit-block-off-by-one-percent", "shardings/step/compiled.py",
            "block=lambda p, x, i: block(_resolved(p), x, i))",
-           "block=lambda p, x, i: block(_resolved(p), x, i) * 1.01)",
-           "each compiled block's output is 1% too large (a wrong graph only jit=True runs)",
+           "block=lambda p, x, i: tree.map(lambda y: y * 1.01, block(_resolved(p), x, i)))",
+           "each compiled block's output (every leaf: a MoE block's carry and aux loss) is 1% too large (a wrong "
+           "graph only jit=True runs)",
            ("tests/shardings/step/test_jit_equivalence.py::test_compiled_layouts_under_bf16_match_the_reference_"
             "under_the_same_policy",  # the bf16 run and its fp32 twin: the twin catches it
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
