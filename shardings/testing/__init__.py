@@ -10,6 +10,7 @@ May import: everything in ``shardings``, through its public surface too (the top
 from typing import Any
 
 from shardings.testing.equivalence import EquivalenceError, check_equivalence, check_runs, compare_trees
+from shardings.testing.many import check_equivalences
 from shardings.testing.power import Limit
 from shardings.testing.report import Report, Row
 from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, Diff, Tolerance, assert_close, diff, tolerance
@@ -25,6 +26,7 @@ __all__ = [
     "Tolerance",
     "assert_close",
     "check_equivalence",
+    "check_equivalences",
     "check_runs",
     "compare_trees",
     "diff",

@@ -22,7 +22,8 @@ from shardings.testing.report import Report, Row
 from shardings.testing.sharded_runs import StagesOf, runners
 from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, largest, tolerance
 
-__all__ = ["EquivalenceError", "Limit", "Report", "Row", "check_equivalence", "check_runs", "compare_trees"]
+__all__ = ["EquivalenceError", "Limit", "Planned", "Report", "Row", "check_equivalence", "check_runs", "compare_trees",
+           "judge", "plan"]
 
 
 class EquivalenceError(AssertionError):
@@ -233,7 +234,9 @@ def check_equivalence(
             prints it: ``{"'bk'": 256}`` for every ``['blocks'][i]['bk']``); the first match wins. Reported.
         exclude: key-path regexes of leaves left out of every comparison (reported in the table).
         jit: the train step's ``jit`` option (``torch.compile``, per block when ``stages`` is given); needs
-            ``runtime="multiprocess"`` (simulated ranks cannot be compiled: the step says so).
+            ``runtime="multiprocess"`` (simulated ranks cannot be compiled: the step says so). A layout whose step
+            would run eagerly instead (its ``CompileFallbackWarning``) fails: the check would not check the compiled
+            step. :func:`shardings.testing.check_equivalences` runs many such checks in one launch.
         jit_backend: the train step's ``jit_backend`` (``"aot_eager"``: the same graphs, compiled quickly).
 
     With ``runtime="multiprocess"`` one set of real ranks runs every layout in turn (one launch).
@@ -248,6 +251,27 @@ def check_equivalence(
     >>> report = check_equivalence(models.gpt.init, models.gpt.loss, models.gpt.axes, cfg, batch,
     ...                            layouts=["dp", "zero3+tp"], mesh=Mesh(dp=2, tp=2))
     """
+    planned = plan(**{name: value for name, value in locals().items() if name not in ("raise_on_failure", "runtime")})
+    report = judge(planned, runners(runtime, planned.jobs()))
+    return raise_if_failed(report, f" on {mesh!r}") if raise_on_failure else report
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """One :func:`check_equivalence` call before it runs: per precision policy, its sharded runs (run name ->
+    the arguments of one layout's run, ``shardings.testing.sharded_runs``), and how :func:`check_runs` judges them."""
+
+    groups: list[tuple[Any, dict[str, tuple]]]  # (policy, {run name: job}): the policy's run and its fp32 twin's
+    judging: dict[str, Any]  # check_runs' arguments besides the runs and the policy
+
+    def jobs(self) -> dict[str, tuple]:
+        return {name: job for _, jobs in self.groups for name, job in jobs.items()}
+
+
+def plan(init, loss, axes, cfg, batch, *, layouts, mesh, steps, optimizer, accum_steps, clip_norm, seed, terms, ulps,
+         local, donate, bucket_mb, stages, schedule, precision, fp32_twin, tolerances, exclude, jit,
+         jit_backend) -> Planned:
+    """:func:`check_equivalence`'s runs, not run yet (its arguments, less ``runtime`` and ``raise_on_failure``)."""
     optimizer = optimizer if optimizer is not None else functools.partial(core.optim.adamw, 1e-3)
     axes = axes(cfg) if callable(axes) else axes
     loss_fn = functools.partial(loss, cfg=cfg)
@@ -255,7 +279,7 @@ def check_equivalence(
     policies = [("", precision)]
     if fp32_twin and _is_low(precision):
         policies.append(("@fp32", dataclasses.replace(precision, compute_dtype=torch.float32)))
-    reports = []
+    groups = []
     for suffix, policy in policies:
         jobs = {}
         for layout in layouts:
@@ -275,13 +299,18 @@ def check_equivalence(
                     layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks)
             jobs[layout.name + suffix] = (init, layout_loss, axes, cfg, batch, optimizer, steps, key, layout, mesh,
                                           step_kw)
-        runs = runners(runtime, jobs)
-        reports.append(check_runs(runs, init, loss, cfg, batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm,
-                                  seed=seed, terms=terms, ulps=ulps, raise_on_failure=False, precision=policy,
-                                  tolerances=tolerances, exclude=exclude))
-    report = Report([r for rep in reports for r in rep.rows], [x for rep in reports for x in rep.limits],
-                    reports[0].overridden, reports[0].excluded)
-    return _raise_if_failed(report, f" on {mesh!r}") if raise_on_failure else report
+        groups.append((policy, jobs))
+    judging = dict(init=init, loss=loss, cfg=cfg, batch=batch, steps=steps, optimizer=optimizer, clip_norm=clip_norm,
+                   seed=seed, terms=terms, ulps=ulps, tolerances=tolerances, exclude=exclude)
+    return Planned(groups, judging)
+
+
+def judge(planned: Planned, runs: dict[str, Callable[[], list[list[Any]]]]) -> Report:
+    """The report of a planned check, its runs given by name (:func:`check_runs` per policy; never raises)."""
+    reports = [check_runs({name: runs[name] for name in jobs}, raise_on_failure=False, precision=policy,
+                          **planned.judging) for policy, jobs in planned.groups]
+    return Report([r for rep in reports for r in rep.rows], [x for rep in reports for x in rep.limits],
+                  reports[0].overridden, reports[0].excluded)
 
 
 def _is_low(policy: Any) -> bool:
@@ -342,7 +371,7 @@ def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[A
                 uncounted[quantity] |= set(judge.want) - set(planted)
         limits += summarize(name, caught, uncounted)
     report = Report(rows, limits, judge.overridden if judge else {}, judge.excluded if judge else [])
-    return _raise_if_failed(report, where) if raise_on_failure else report
+    return raise_if_failed(report, where) if raise_on_failure else report
 
 
 def _update(after: Any, before: Any) -> dict[str, torch.Tensor]:
@@ -359,7 +388,7 @@ def _rule(dtype: torch.dtype | None, terms: int | None, ulps: float | None, toke
     return terms or tokens, ulps if ulps is not None else ULPS
 
 
-def _raise_if_failed(report: Report, where: str) -> Report:
+def raise_if_failed(report: Report, where: str) -> Report:
     if not report.ok:
         w = report.worst()
         raise EquivalenceError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import core
 from core import tree
 from shardings.runtime.simulate import per_rank, simulate
 from shardings.spec.distribute import gather
+from shardings.step.compiled import CompileFallbackWarning
 from shardings.step.initialize import init as sharded_init
 from shardings.step.train_step import train_step
 
@@ -32,11 +34,18 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
     where = {"plan": step_kw["plan"]} if "plan" in step_kw else {}  # pp: which rank runs which stage
     params = sharded_init(init, key, cfg, axes=axes, layout=layout, mesh=mesh, **where)
     loss_fn = loss_fn.build() if isinstance(loss_fn, StagesOf) else loss_fn
-    if step_kw.get("jit"):  # each layout's graphs compiled afresh: another layout's count against no limit
-        import torch
+    with warnings.catch_warnings():
+        if step_kw.get("jit"):  # each layout's graphs compiled afresh: another layout's count against no limit
+            import torch
 
-        torch._dynamo.reset()
-    step = train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw)
+            torch._dynamo.reset()
+            # a check of the compiled step that ran the eager one would check nothing: the fallback is an error
+            warnings.simplefilter("error", CompileFallbackWarning)
+        return _steps(params, train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw), batch,
+                      steps)
+
+
+def _steps(params: Any, step: Any, batch: Any, steps: int) -> list[list[Any]]:
     state = step.init(params)
     sync = getattr(step, "gather_stages", lambda t: t)  # pp on real ranks: each block from the rank that owns it
     out = []

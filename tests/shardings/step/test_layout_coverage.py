@@ -180,12 +180,16 @@ def test_the_fixed_cases_exercise_what_they_say():
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
+def cases(draw: st.DrawFn, ranks: tuple[int, ...] | None = None, presets: frozenset[str] | None = None) -> Case:
     """A mesh of 1-8 ranks over up to 3 of dp/fsdp/tp/cp/ep, a layout it can run (cp and ep included), a tiny model
-    that fits both (moe where the mesh has ep, else gpt), and the step's options."""
-    mesh = draw(meshes(max_ranks=8, max_axes=3, axis_names=ALL_AXIS_NAMES))
+    that fits both (moe where the mesh has ep, else gpt), and the step's options. ``ranks``: only meshes of these
+    sizes; ``presets``: only layouts made of these (the compiled step's, tests/shardings/step/test_jit_equivalence.py).
+    """
+    mesh_strategy = meshes(max_ranks=max(ranks or (8,)), max_axes=3, axis_names=ALL_AXIS_NAMES)
+    mesh = draw(mesh_strategy.filter(lambda m: m.size in ranks) if ranks else mesh_strategy)
     experts = "ep" in mesh.axis_names
-    layout = draw(layout_strategy(mesh, experts=experts))
+    layout_draws = layout_strategy(mesh, experts=experts)
+    layout = draw(layout_draws.filter(lambda name: set(name.split("+")) <= presets) if presets else layout_draws)
     parts = layout.split("+")
     tp = mesh.shape["tp"] if "tp" in parts else 1
     cp = mesh.shape["cp"] if {"cp", "cp_allgather"} & set(parts) else 1
