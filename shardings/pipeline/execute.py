@@ -101,14 +101,16 @@ class SavedActivations:
     def __init__(self, ranks: int, params: Any = ()):
         self.live, self.peak = [0] * ranks, [0] * ranks
         self.refs: list[dict[int, int]] = [{} for _ in range(ranks)]
-        self.param_ptrs = {st.data_ptr() for x in _tensors(params) for st in storages(x)}
+        self.param_ptrs = {_key(st) for x in _tensors(params) for st in storages(x)}
 
     def hooks(self, rank: int) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> Any:
             st = next(storages(t), None)  # one rank's piece (simulated ranks hold the same shapes)
-            if st is None or st.data_ptr() in self.param_ptrs:
+            if st is None or _key(st) in self.param_ptrs:
                 return t
-            return _Held(self, rank, st, t)
+            # t.detach(), not t: an output its own node saves (softmax's) would tie node and tensor in a cycle through
+            # autograd's C++ graph, which gc cannot collect (every zero-bubble step's graph leaked: its B keeps it)
+            return _Held(self, rank, st, t.detach())
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t if isinstance(held, _Held) else held)
 
@@ -127,9 +129,14 @@ class SavedActivations:
             self.live[rank] -= nbytes
 
 
+def _key(st: torch.UntypedStorage) -> int:
+    """A live storage's identity: its ``StorageImpl`` (not its data pointer, which is 0 for every fake tensor)."""
+    return st._cdata
+
+
 class _Held:
     def __init__(self, saved: SavedActivations, rank: int, st: torch.UntypedStorage, t: torch.Tensor):
-        self.saved, self.rank, self.ptr, self.nbytes, self.t = saved, rank, st.data_ptr(), st.nbytes(), t
+        self.saved, self.rank, self.ptr, self.nbytes, self.t = saved, rank, _key(st), st.nbytes(), t
         saved.add(rank, self.ptr, self.nbytes)
 
     def __del__(self) -> None:
@@ -208,7 +215,7 @@ class _Runner:
         outs = [out] if last else _tensors(out)
         cots = [torch.ones_like(out)] if last else _tensors(self.out_grads.pop((s, mb)))
         pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
-        inputs = [] if s == 0 else [x for x in _tensors(carry) if x.requires_grad]
+        inputs = [x for x in _tensors(carry) if x.requires_grad and x.is_leaf]  # received: fresh leaves
         outs, cots, leaves = [o for o, _ in pairs], [c for _, c in pairs], self.leaves[s]
         if self.schedule.split_backward:  # B: the carry's gradient now, W the parameters' later
             in_grads, self.pending_w[(s, mb)] = backward_input(outs, cots, inputs, leaves)
