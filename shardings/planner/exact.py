@@ -13,12 +13,15 @@ same collectives), at ``L ∈ {2p, 3p}`` × ``m ∈ {1, 2}`` microbatches of the
 the counts are bilinear in ``(L, m)``; the carries (``2·m`` per stage boundary that crosses ranks, each one
 microbatch's residual stream) are added from the schedule. A real pipeline rank holds the parameters
 outside the blocks and its own blocks: its numbers are the same bilinear form at its blocks. Its peak is measured
-by two more probes (``L ∈ {2p, 3p}``, affine in ``L``) that run, at ``pp = 1``, a one-rank schedule holding what
-the busiest rank holds at once (:func:`busiest_rank`: its microbatches in flight, with the accumulated gradients
-where 1F1B's steady state has them). A step holds nothing of the step before but its parameters and optimizer
-state (the schedule's result it keeps, ``TrainStep.last``, drops its gradients), so one step from ``init`` is
-what every later step holds. Against 4 gloo processes (gpt 4×64, pp2_dp2) that peak is within 2.5% for zero1/2/3+pp
-and bf16 zero2+pp (``tests/shardings/planner/test_peak_memory.py``).
+by probes that run, at ``pp = 1``, each rank's own program (:func:`rank_programs`): its forwards, backwards and
+weight gradients in its order, over its ``v`` chunks of ``2p`` and ``3p`` blocks each (affine in the chunk's
+blocks), with the embedding and the head only where the rank runs them
+(:func:`~shardings.planner.fake_step.rank_stages`), plus the messages it holds sent and not yet known delivered
+(:func:`~shardings.pipeline.delivery.sends_held`, a residual stream each). The fullest rank's is the candidate's
+peak. A step holds nothing of the step before but its parameters and optimizer state (the schedule's result it
+keeps, ``TrainStep.last``, drops its gradients), so one step from ``init`` is what every later step holds. Against
+4 gloo processes (gpt 4×64, pp2_dp2) that peak is within 1% for GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V
+with ZeRO-1/2/3 and a bf16 policy (``tests/shardings/planner/test_peak_memory.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Any
 import torch
 
 import core
-from shardings.pipeline.schedule import Action, Schedule, build
+from shardings.pipeline.delivery import sends_held
+from shardings.pipeline.schedule import Action, Schedule, build, program, stages_per_rank
 from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.estimate import pipeline_sends
@@ -50,12 +54,13 @@ def _policy(name: str) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], rows: int, precision: str,
-             microbatches: int, optimizer: Any, peak_probe: Schedule | None = None) -> Measured:
-    """One fake step; with ``peak_probe`` (a :func:`busiest_rank` schedule) run by it."""
+             microbatches: int, optimizer: Any, peak_probe: tuple[Schedule, bool, bool] | None = None) -> Measured:
+    """One fake step; with ``peak_probe`` (one of :func:`rank_programs`) run by it."""
     pipelined = layout_of(layout).pipelined
+    probe, *ends = peak_probe or ("gpipe", True, True)
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
-                   precision=_policy(precision), microbatches=microbatches,
-                   schedule=(peak_probe or "gpipe") if pipelined else None)
+                   precision=_policy(precision), microbatches=microbatches, schedule=probe if pipelined else None,
+                   ends=tuple(ends))
 
 
 def _values(m: Measured) -> dict[str, Any]:
@@ -121,13 +126,15 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     else:
         mesh = tuple((a, 1 if a == "pp" else n) for a, n in cand.mesh)
         rows_mb = rows // cand.microbatches
-        busiest = busiest_rank(cand)
         points = {(L, k): _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout,
                                            mesh, rows_mb * k, cand.precision, k, optimizer))
                   for L in (la, la + period) for k in (1, 2)}
-        held = {L: _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout, mesh,
-                                    rows_mb * busiest.microbatches, cand.precision, busiest.microbatches, optimizer,
-                                    busiest)) for L in (la, la + period) if peak_probes}
+        # the peak probes: each rank's program, its chunks of 2p and 3p blocks each
+        chunks = stages_per_rank(cand.schedule, cand.virtual_stages)
+        held = [({L * chunks: _values(_measure(model, dataclasses.replace(cfg, layers=L * chunks, remat=cand.remat),
+                                               cand.layout, mesh, rows_mb * probe[0].microbatches, cand.precision,
+                                               probe[0].microbatches, optimizer, probe)) for L in (la, la + period)},
+                 sends) for probe, sends in (rank_programs(cand) if peak_probes else ())]
         blocks = estimated.blocks
         total = _affine(points, period, cfg.layers, cand.microbatches)
         rank = _affine(points, period, blocks, cand.microbatches)
@@ -137,8 +144,9 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     host = sum(float(rank.get(f"role/{r}", 0)) for r in ("host",))
     peak = float(rank["peak"]) - host
     if cand.pipelined and peak_probes:
-        # the peak: the probe that runs the busiest rank's actions (module docstring)
-        peak = float(_affine({(L, 1): v for L, v in held.items()}, period, blocks, 1)["peak"]) - host
+        # the peak: the fullest rank's, from the probes that run each rank's program (module docstring)
+        peak = max(float(_affine({(L, 1): v for L, v in probe.items()}, period * chunks, blocks, 1)["peak"])
+                   + sends * carry for probe, sends in held) - host
     memory = {r: float(rank.get(f"role/{r}", 0)) for r in ("params", "compute", "grads", "opt_state")}
     for r in layout.host:
         memory[r] = 0.0
@@ -159,32 +167,69 @@ def _work(values: dict[str, Any]) -> Work:
     return Work(by("flops/"), by("matmuls/"), float(values["bytes"]), float(values["moves"]), by("ops/"))
 
 
-def busiest_rank(cand: Candidate) -> Schedule:
-    """A one-rank schedule that holds what the busiest pipeline rank of ``cand`` holds at its peak, for a probe
-    at ``pp = 1``: that rank's most microbatches in flight (its in-flight chunks over its stages, rounded up:
-    whole microbatches of its blocks), after one microbatch's backward when the rank reaches that peak after a
-    backward (1F1B's steady state: the accumulated gradients are held then too), then their backwards.
+def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], int]]:
+    """One-rank schedules, for probes at ``pp = 1``, that each hold at every moment what one pipeline rank of
+    ``cand`` holds: that rank's forwards, backwards and weight gradients in its order, its stages renumbered as
+    the probe's chunks (so a rank of interleaved 1F1B or ZB-V runs its ``v`` chunks), with whether the rank runs
+    the model's first stage and its last (:func:`~shardings.planner.fake_step.rank_stages`), and the most messages
+    the rank holds sent and not yet known delivered (:func:`~shardings.pipeline.delivery.sends_held`: a probe at
+    ``pp = 1`` sends none); one per rank that no other rank covers (:func:`_covers`: a middle rank of 1F1B holds
+    less of everything than the rank after the first).
+
+    A rank's program is cut after the last moment it holds something new: what it holds is counted per chunk and
+    state (forwards done; input gradients done, weight gradients pending; gradients summed), and after the cut
+    every moment holds no more of each than some moment before it. The microbatches started by then run to their
+    end and the rest are dropped, so a 1F1B rank of many microbatches is probed with its warm-up and one steady
+    step, not all of them; since what a moment holds adds up over its pieces, the cut keeps the rank's peak.
     """
     s = build(cand.schedule, cand.size("pp"), cand.microbatches, virtual_stages=cand.virtual_stages)
-    fly = -(-max(s.peak_in_flight()) // s.stages_per_rank)
-    backward = ("B", "W") if s.split_backward else ("B",)
-    start = 1 if _peaks_after_backward(s) else 0
-    ops = [Action(k, 0, 0) for k in ("F", *backward)] if start else []
-    mbs = range(start, start + fly)
-    ops += [Action("F", 0, n) for n in mbs] + [Action(k, 0, n) for n in mbs for k in backward]
-    return Schedule(f"{s.name}_peak", 1, mbs.stop, (tuple(ops),))
+    release = "W" if s.split_backward else "B"
+    sends = sends_held(s)
+    ranks = []
+    for rank, actions in enumerate(s.ranks):
+        chunks = {st: k for k, st in enumerate(st for st in range(s.stages) if s.rank_of(st) == rank)}
+        computes = [Action(a.kind, chunks[a.stage], a.mb) for a in actions if a.kind in ("F", "B", "W")]
+        cut, states = _new_states(computes, release, len(chunks))
+        started = {a.mb for a in computes[:cut + 1]}
+        kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb in started)
+        ranks.append((kept, s.rank_of(0) == rank, s.rank_of(s.stages - 1) == rank, sends[rank], states))
+    programs = {r[:4]: None for r in ranks if not any(_covers(other, r) for other in ranks if other[:4] != r[:4])}
+    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in p), (program(list(p), s.stages_per_rank),),
+                       stages_per_rank=s.stages_per_rank), first, last), held) for p, first, last, held in programs]
 
 
-def _peaks_after_backward(s: Schedule) -> bool:
-    """Whether the busiest rank of ``s`` reaches its most microbatches in flight after a backward has run."""
-    release, peaks = "W" if s.split_backward else "B", s.peak_in_flight()
-    held, backward = 0, False
-    for a in s.ranks[peaks.index(max(peaks))]:
-        held += {"F": 1, release: -1}.get(a.kind, 0)
-        backward |= a.kind == "B"
-        if backward and held == max(peaks):
-            return True
-    return False
+def _covers(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether rank ``a`` holds at some moment at least what rank ``b`` holds at each of its moments (so only ``a``
+    needs a probe): the same ends of the model, as many messages in flight, every state of ``b`` under one of
+    ``a``'s. An ``a`` with the same numbers as ``b`` covers it only if it comes first (one of them is probed)."""
+    (_, first_a, last_a, sends_a, states_a), (_, first_b, last_b, sends_b, states_b) = a, b
+    if (first_a, last_a) != (first_b, last_b) or sends_a < sends_b:
+        return False
+    under = all(any(all(x <= y for x, y in zip(sb, sa)) for sa in states_a) for sb in states_b)
+    same = sends_a == sends_b and all(any(all(x <= y for x, y in zip(sa, sb)) for sb in states_b) for sa in states_a)
+    return under and (not same or states_a < states_b or (states_a == states_b and a[0] < b[0]))
+
+
+def _new_states(computes: list[Action], release: str, chunks: int) -> tuple[int, list[tuple[int, ...]]]:
+    """The index after which the program holds nothing that some moment before did not hold at least as much of
+    (:func:`rank_programs`), and the states it held up to there."""
+    held = [0] * (3 * chunks)  # per chunk: forwards held, backwards held (awaiting W), its gradients summed
+    seen: list[tuple[int, ...]] = []
+    last = 0
+    for i, a in enumerate(computes):
+        if a.kind == "F":
+            held[a.stage] += 1
+        elif a.kind == "B":
+            held[a.stage] -= 1
+            held[chunks + a.stage] += release == "W"
+        else:
+            held[chunks + a.stage] -= 1
+        held[2 * chunks + a.stage] |= a.kind == release  # a chunk's gradients are summed from its first release on
+        now = tuple(held)
+        if not any(all(x <= y for x, y in zip(now, old)) for old in seen):
+            seen.append(now)
+            last = i
+    return last, seen
 
 
 def _carry_bytes(cfg: Any, rows: int, cand: Candidate) -> Fraction:

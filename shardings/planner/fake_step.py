@@ -38,6 +38,7 @@ import core
 from core import deferred, tree
 from shardings.comm.accounting import comms
 from shardings.comm.peak_memory import peak_memory
+from shardings.pipeline import Stages
 from shardings.runtime.compat import (
     FakeStore,
     FakeTensorMode,
@@ -51,7 +52,7 @@ from shardings.spec.rules import is_names
 from shardings.step.initialize import param_specs
 from shardings.step.train_step import train_step
 
-__all__ = ["Measured", "OpCounter", "measure", "rank_zero_of"]
+__all__ = ["Measured", "OpCounter", "measure", "rank_stages", "rank_zero_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,8 @@ def _fake_params(model: Any, cfg: Any, layout: layouts.Layout, mesh: Mesh, mode:
 
 def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_rows: int,
             optimizer: Any = None, precision: Any = None, microbatches: int = 1, schedule: str | None = None,
-            virtual_stages: int | None = None, stage_sizes: list[int] | None = None) -> Measured:
+            virtual_stages: int | None = None, stage_sizes: list[int] | None = None,
+            ends: tuple[bool, bool] = (True, True)) -> Measured:
     """Run one train step of ``model`` on fake tensors as rank 0 of ``mesh`` and measure it (module docstring).
 
     Args:
@@ -204,6 +206,8 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         schedule: with ``pp``, the schedule's name (default ``1f1b``).
         virtual_stages: with ``pp`` and an interleaved schedule, stages per rank.
         stage_sizes: with ``pp``, blocks per stage.
+        ends: with ``pp``, whether the rank this step stands for runs the model's first stage and its last
+            (:func:`rank_stages`).
 
     Returns:
         A :class:`Measured`.
@@ -218,7 +222,7 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         stage_mesh.device_mesh  # noqa: B018
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         params, axes = _fake_params(model, cfg, layout, stage_mesh, mode)
-        loss = model.stages(cfg) if layout.pipelined else _bound(model.loss, cfg)
+        loss = rank_stages(model.stages(cfg), *ends) if layout.pipelined else _bound(model.loss, cfg)
         pipeline = dict(schedule=schedule or "1f1b", virtual_stages=virtual_stages, stage_sizes=stage_sizes)
         with mode:
             batch = model.example_batch(cfg, batch_rows)
@@ -234,6 +238,24 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         pipe = metrics.get("pipeline")
         return Measured(comm, peak.peak, peak.at_entry, dict(metrics["memory"]), pipe and pipe["saved_peak"],
                         dict(counter.flops), dict(counter.matmuls), counter.bytes, counter.moves, dict(counter.ops))
+
+
+def rank_stages(stages: Stages, first: bool, last: bool) -> Stages:
+    """``stages`` as a pipeline rank runs them that holds the model's first stage (``first``) and its last
+    (``last``) or not. Without the first, the embedding's output enters as a fresh leaf, as a carry received from
+    another rank does (its backward stops there and yields the carry's gradient); without the last, a stand-in
+    loss (the carry's squares summed) replaces the head, so the backward starts from a gradient the carry's size,
+    as one received from the next rank. A probe at ``pp = 1`` so holds at each moment what that rank holds.
+    """
+    def leaf(params: Any, batch: Any) -> Any:
+        return tree.map(lambda x: x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
+                        else x, stages.first(params, batch))
+
+    def stand_in(params: Any, carry: Any, batch: Any) -> torch.Tensor:
+        return sum((x.float() ** 2).sum() for x in tree.leaves(carry)
+                   if isinstance(x, torch.Tensor) and x.is_floating_point())
+
+    return dataclasses.replace(stages, first=stages.first if first else leaf, last=stages.last if last else stand_in)
 
 
 def _bound(loss: Any, cfg: Any) -> Any:

@@ -3,7 +3,7 @@
 One launch of 4 gloo processes runs a step of each layout (the second step, as in a
 training run after the first) under ``peak_memory`` and reports every rank's
 peak; the planner predicts the same layouts on fake tensors. Pipelined ones included: ZeRO-1/2/3 inside the
-stages, 1F1B and GPipe, and a bf16 policy.
+stages, GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, and a bf16 policy.
 """
 
 import functools
@@ -20,9 +20,12 @@ ROWS = 8
 PIPE = (("pp", 2), ("dp", 2))
 CANDIDATES = [Candidate("zero3", (("dp", 4),)), Candidate("hsdp", (("dp", 2), ("fsdp", 2))),
               Candidate("dp+tp+sp", (("dp", 2), ("tp", 2))), Candidate("zero1", (("dp", 4),), 2),
-              # pipelined: 1F1B's steady state (gradients held with the in-flight microbatches), GPipe, bf16
+              # pipelined: 1F1B's steady state (gradients held with the in-flight microbatches), GPipe, bf16; each
+              # rank's own program: interleaved 1F1B's and ZB-V's two chunks a rank, zero bubble's deferred W
               Candidate("zero3+pp", PIPE, 4, "1f1b"), Candidate("zero1+pp", PIPE, 2, "gpipe"),
-              Candidate("zero2+pp", PIPE, 4, "1f1b", precision="bf16")]
+              Candidate("zero2+pp", PIPE, 4, "1f1b", precision="bf16"),
+              Candidate("zero1+pp", PIPE, 4, "interleaved_1f1b", virtual_stages=2),
+              Candidate("zero2+pp", PIPE, 4, "zb_h1", precision="bf16"), Candidate("zero3+pp", PIPE, 4, "zb_v")]
 POLICIES = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed}
 
 
