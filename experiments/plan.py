@@ -160,6 +160,9 @@ def auto(cfg: Any) -> Any:
     return out
 
 
+_CANDIDATE_KEYS = ("layout", "mesh", "microbatches", "schedule", "remat", "precision")  # PlanConf's candidate
+
+
 def _store() -> None:
     ConfigStore.instance().store(name="plan", node=PlanConf)
 
@@ -179,9 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     register()
     _store()
+    # the candidate's keys go in after Hydra composes: `mesh` and `precision` are also the train app's config groups,
+    # and Hydra would take `mesh=dp8` for a choice of one
+    given = [a for a in args if a.split("=", 1)[0] in _CANDIDATE_KEYS]
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
-            cfg = compose("plan", overrides=args)
+            cfg = compose("plan", overrides=[a for a in args if a not in given])
+        cfg.merge_with_dotlist(given)
         print(run(cfg))
     except (ConfigError, HydraException, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
