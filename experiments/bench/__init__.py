@@ -10,7 +10,8 @@ Each module runs with ``python -m experiments.bench.<module>`` and prints a tabl
 - ``pipeline``: pipeline parallelism's activation memory, bubble and step time;
 - ``pipeline_torch``: our schedules against ``torch.distributed.pipelining``;
 - ``native_gpt``: the anchor they measure against, ``models.gpt`` as ``nn.Module``\\s (not a benchmark);
-- ``tables``: the CSV writer they share.
+- ``tables``: the CSV writer they share;
+- ``compile_backend``: the ``--jit-backend`` option of ``wrappers`` and ``jit`` (``inductor``; ``aot_eager`` for tests).
 
 ``docs/performance.md`` has the numbers.
 """

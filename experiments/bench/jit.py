@@ -2,7 +2,7 @@
 
 ``python -m experiments.bench.jit [--configs tiny gpt_small] [--device cpu|cuda] [--steps 20]
 [--warmup 3] [--rounds 1] [--peak-tflops 989] [--as-is] [--no-compile] [--threads N] [--csv bench_jit.csv]
-[--sharded zero3 zero3+tp+sp] [--precision bf16|fp32]``
+[--sharded zero3 zero3+tp+sp] [--precision bf16|fp32] [--jit-backend inductor|aot_eager]``
 
 Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after another in one process:
 
@@ -11,8 +11,8 @@ Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after
     (:func:`make_step` with ``donate=True``: torch's fused AdamW kernel in place, as ``train_step(donate=True)``
     runs it and as the native row's optimizer does).
 ``jit``
-    that whole step under ``core.jit`` (inductor; on CPU it needs a C++ compiler) as **one graph** —
-    forward, backward and the pure optimizer update (``update`` + ``apply_updates``) — under
+    that whole step under ``core.jit`` (``--jit-backend``; inductor's CPU code needs a C++ compiler) as
+    **one graph** — forward, backward and the pure optimizer update (``update`` + ``apply_updates``) — under
     :func:`whole_step_tracing`, which
     lifts the two graph breaks a plain ``core.jit(step)`` hits (``--as-is`` adds that row,
     ``jit_as_is``, with its graph count):
@@ -31,7 +31,10 @@ Rows, all on the same shapes, weights (``gpt.init(key 0)``) and batch, one after
 ``native_compile``
     the same with ``torch.compile(model)`` (forward and backward compiled; the fused optimizer eager).
 
-``--no-compile`` leaves out the compiled rows (``jit``, ``jit_as_is``, ``native_compile``).
+``--no-compile`` leaves out the compiled rows (``jit``, ``jit_as_is``, ``native_compile``). ``--jit-backend``
+compiles every compiled row, ours and torch's, with one backend (:mod:`experiments.bench.compile_backend`:
+``inductor`` by default; ``aot_eager``, what the tests run, compiles in seconds but is no speed claim); the
+header line and the CSV's ``jit_backend`` column (empty on eager rows) say which ran.
 
 ``--sharded LAYOUT ...`` adds, per config, the sharded step on one rank against FSDP2 on one rank
 (:mod:`experiments.bench.jit_sharded`: ``train_step/<layout>``, ``train_step/<layout>/jit``, ``fsdp2``,
@@ -71,7 +74,7 @@ import core
 import models.gpt as gpt
 import shardings
 from core import optim, tree
-from experiments.bench import native_gpt
+from experiments.bench import compile_backend, native_gpt
 from experiments.bench.tables import write_csv
 from shardings.testing import diff
 
@@ -232,12 +235,13 @@ def run(
     as_is: bool = False,
     compile: bool = True,
     rounds: int = 1,
+    jit_backend: str = compile_backend.DEFAULT,
 ) -> list[dict]:
     """Time ``config``'s rows (see the module docstring) on ``device``; one dict per row.
 
     With ``rounds > 1`` every row is built and timed that many times, in alternated order (rows
     a, b, c, then c, b, a, ...: a machine that drifts slows every row alike), and its step time is
-    the median over all its rounds' steps.
+    the median over all its rounds' steps. ``jit_backend`` compiles the ``jit`` rows and ``native_compile``.
 
     Raises:
         RuntimeError: a row's step-1 loss differs from ``eager``'s past the tolerance rule.
@@ -268,10 +272,12 @@ def run(
         "native": (lambda: (native_step, native()), none),
     }
     if compile:
-        plan["jit"] = (lambda: (core.jit(step), ours()), whole_step_tracing)
-        plan["native_compile"] = (lambda: (native_step, native(torch.compile)), none)
+        jitted = functools.partial(core.jit, backend=jit_backend)
+        compiled = functools.partial(torch.compile, backend=jit_backend)
+        plan["jit"] = (lambda: (jitted(step), ours()), whole_step_tracing)
+        plan["native_compile"] = (lambda: (native_step, native(compiled)), none)
         if as_is:
-            plan["jit_as_is"] = (lambda: (core.jit(step), ours()), none)
+            plan["jit_as_is"] = (lambda: (jitted(step), ours()), none)
     results = run_plan(plan, batch, steps, warmup, device, rounds)
     tokens = batch_size * cfg.seq_len
     eager = results["eager"]
@@ -281,9 +287,10 @@ def run(
             raise RuntimeError(
                 f"bench.jit {config}: step-1 loss of {name} is {r['loss']}, eager's {eager['loss']} "
                 f"({d.used:.1f}x the tolerance rule's allowance for {tokens} tokens). Fix: the row does not compute "
-                "gpt.loss (for a compiled row, bisect with backend='aot_eager'; for a native row, test_native_gpt)."
+                "gpt.loss (for a compiled row, bisect with --jit-backend aot_eager; for a native row, test_native_gpt)."
             )
-    return table(results, config, device, cfg, params, tokens, peak_tflops, steps, rounds, eager=("eager", "native"))
+    return table(results, config, device, cfg, params, tokens, peak_tflops, steps, rounds, eager=("eager", "native"),
+                 jit_backend=jit_backend)
 
 
 def run_plan(plan: dict[str, tuple[Callable, Callable]], batch: dict, steps: int, warmup: int, device: str,
@@ -298,10 +305,11 @@ def run_plan(plan: dict[str, tuple[Callable, Callable]], batch: dict, steps: int
 
 
 def table(results: dict[str, dict[str, Any]], config: str, device: str, cfg: gpt.Config, params: Any, tokens: int,
-          peak_tflops: float, steps: int, rounds: int, eager: tuple[str, ...], native: str = "native",
-          compiled: str = "native_compile") -> list[dict]:
+          peak_tflops: float, steps: int, rounds: int, eager: tuple[str, ...], jit_backend: str,
+          native: str = "native", compiled: str = "native_compile") -> list[dict]:
     """One output row per result: step time, tokens/s, multiples of the ``native`` and ``compiled`` rows' time and
-    peak memory, compile time (0 for the ``eager`` rows), graphs, step-1 loss and (CUDA) MFU."""
+    peak memory, compile time and backend (0 and empty for the ``eager`` rows), graphs, step-1 loss and (CUDA)
+    MFU."""
     native_row, compiled_row = results[native], results.get(compiled, {})
     out = []
     for name, r in results.items():
@@ -316,6 +324,7 @@ def table(results: dict[str, dict[str, Any]], config: str, device: str, cfg: gpt
             "mem_vs_native": _ratio(r["peak_mb"], native_row["peak_mb"]),
             "mem_vs_compiled": _ratio(r["peak_mb"], compiled_row.get("peak_mb")),
             "compile_s": round(r["first_s"], 2) if name not in eager else 0.0,
+            "jit_backend": jit_backend if name not in eager else "",
             "graphs": r["graphs"], "loss": round(r["loss"], 6),
             "mfu": round(mfu, 4) if mfu is not None else "",
         })  # fmt: skip
@@ -351,6 +360,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="add train_step on one rank under these layouts vs FSDP2 on one rank (jit_sharded)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default=None,
                         help="the --sharded rows' precision (default: bf16 on cuda, fp32 on cpu)")
+    compile_backend.add_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -363,13 +373,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         as_is=args.as_is,
         compile=args.compile,
         rounds=args.rounds,
+        jit_backend=args.jit_backend,
     )
     sharded = functools.partial(jit_sharded.run, layouts=args.sharded, device=args.device, steps=args.steps,
                                 warmup=max(args.warmup, 1), peak_tflops=args.peak_tflops, precision=args.precision,
-                                compile=args.compile, rounds=args.rounds, threads=args.threads)
+                                compile=args.compile, rounds=args.rounds, threads=args.threads,
+                                jit_backend=args.jit_backend)
     rows = [r for c in args.configs for r in run_one(c) + (sharded(c) if args.sharded else [])]
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {args.device}, {threads} threads, median of {args.rounds}x{args.steps} steps")
+    if args.compile:
+        print(compile_backend.caveat(args.jit_backend))
     cols = ["config", "variant", "step_ms", "tokens_per_s", "vs_native", "vs_compiled", "compile_s", "graphs", "loss"]
     if args.device == "cuda":
         cols[6:6] = ["peak_mb", "mem_vs_native", "mem_vs_compiled", "mfu"]

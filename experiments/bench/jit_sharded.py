@@ -5,12 +5,13 @@ a 1-rank group, gloo on CPU, nccl on CUDA), on the config's weights (``gpt.init(
 
 ``train_step/<layout>``, ``train_step/<layout>/jit``
     ``shardings.train_step`` on a 1-rank mesh (``Mesh(dp=1)``; ``Mesh(dp=1, tp=1)`` for a layout with tp: the
-    DTensor path), eager and with ``jit=True`` (its blocks compiled: ``gpt.stages``), AdamW, ``donate=True``;
-    under ``--precision bf16`` the ``Policy(compute_dtype=bf16)`` of ``Policy.bf16_mixed()``.
+    DTensor path), eager and with ``jit=True`` (its blocks compiled by ``--jit-backend``: ``gpt.stages``), AdamW,
+    ``donate=True``; under ``--precision bf16`` the ``Policy(compute_dtype=bf16)`` of ``Policy.bf16_mixed()``.
 ``fsdp2``, ``fsdp2/compiled_blocks``
     :class:`~experiments.bench.native_gpt.NativeGpt` with ``fully_shard`` per block and on the root (bf16:
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), ``torch.optim.AdamW``; eager, and with each
-    block's forward ``torch.compile``d first (torchtitan's recipe): the ``vs_native`` / ``vs_compiled`` references.
+    block's forward ``torch.compile``d first (torchtitan's recipe, the same backend): the ``vs_native`` /
+    ``vs_compiled`` references.
 
 Both sides are built by :mod:`experiments.bench.wrappers`' ``ours_step`` / ``native_step`` (a ``_Pair`` each)
 and timed by :mod:`experiments.bench.jit`'s row machinery (median step after warm-up, graphs, peak memory on
@@ -29,7 +30,7 @@ import torch
 import core
 import models.gpt as gpt
 import shardings
-from experiments.bench import jit, wrappers
+from experiments.bench import compile_backend, jit, wrappers
 
 LAYOUTS = ("zero3", "zero3+tp+sp")  # the layouts --sharded takes (their 1-rank meshes below)
 
@@ -49,18 +50,19 @@ def _build(make: Any, pair: wrappers._Pair, cfg: gpt.Config, batch: dict) -> Any
 
 
 def _worker(config: str, model_kw: dict, batch_size: int, layouts: list[str], device: str, steps: int, warmup: int,
-            peak_tflops: float, bf16: bool, compile: bool, rounds: int, threads: int | None) -> list[dict]:
+            peak_tflops: float, bf16: bool, compile: bool, rounds: int, threads: int | None,
+            jit_backend: str) -> list[dict]:
     if threads:
         torch.set_num_threads(threads)
     cfg = gpt.Config(**model_kw)
     batch = {k: v.to(device) for k, v in gpt.example_batch(cfg, batch_size).items()}
     pairs = {}
     for layout in layouts:
-        ours = wrappers._Pair("", _mesh(layout), layout, bf16=bf16)
+        ours = wrappers._Pair("", _mesh(layout), layout, bf16=bf16, jit_backend=jit_backend)
         pairs[f"train_step/{layout}"] = (wrappers.ours_step, ours)
         if compile:
             pairs[f"train_step/{layout}/jit"] = (wrappers.ours_step, ours._replace(jit=True))
-    fsdp2 = wrappers._Pair("FSDP2", {"dp": 1}, "zero3", bf16=bf16)
+    fsdp2 = wrappers._Pair("FSDP2", {"dp": 1}, "zero3", bf16=bf16, jit_backend=jit_backend)
     pairs["fsdp2"] = (wrappers.native_step, fsdp2)
     if compile:
         pairs["fsdp2/compiled_blocks"] = (wrappers.native_step, fsdp2._replace(jit=True))
@@ -76,17 +78,20 @@ def _worker(config: str, model_kw: dict, batch_size: int, layouts: list[str], de
     eager = tuple(n for n in results if not n.endswith(("/jit", "/compiled_blocks")))
     params = gpt.init(core.random.key(0), cfg)
     return jit.table(results, config, device, cfg, params, batch_size * cfg.seq_len, peak_tflops, steps, rounds,
-                     eager=eager, native="fsdp2", compiled="fsdp2/compiled_blocks")
+                     eager=eager, jit_backend=jit_backend, native="fsdp2", compiled="fsdp2/compiled_blocks")
 
 
 def run(config: str, layouts: list[str], device: str, steps: int, warmup: int, peak_tflops: float,
-        precision: str | None = None, compile: bool = True, rounds: int = 1, threads: int | None = None) -> list[dict]:
-    """The sharded rows of ``config`` for ``layouts`` (module docstring), from a 1-process launch.
+        precision: str | None = None, compile: bool = True, rounds: int = 1, threads: int | None = None,
+        jit_backend: str = compile_backend.DEFAULT) -> list[dict]:
+    """The sharded rows of ``config`` for ``layouts`` (module docstring), from a 1-process launch; the ``/jit`` and
+    ``/compiled_blocks`` rows compiled with ``jit_backend``.
 
     Raises:
         RuntimeError: a row's step-1 loss differs from ``fsdp2``'s (wrapped in the launch's ``LaunchError``).
     """
     bf16 = (precision or ("bf16" if device == "cuda" else "fp32")) == "bf16"
     backend = "nccl" if device == "cuda" else "gloo"
-    args = (config, *jit.CONFIGS[config], layouts, device, steps, warmup, peak_tflops, bf16, compile, rounds, threads)
+    args = (config, *jit.CONFIGS[config], layouts, device, steps, warmup, peak_tflops, bf16, compile, rounds, threads,
+            jit_backend)
     return shardings.launch(_worker, 1, *args, backend=backend)[0]

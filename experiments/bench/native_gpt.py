@@ -273,8 +273,8 @@ def parallelize(model: NativeGpt, tp_mesh: DeviceMesh) -> NativeGpt:
     return parallelize_module(model, tp_mesh, tp_plan(model))
 
 
-def compile_blocks(model: NativeGpt) -> NativeGpt:
-    """Each block's forward ``torch.compile``d (inductor, fullgraph): torchtitan's per-block recipe.
+def compile_blocks(model: NativeGpt, backend: str) -> NativeGpt:
+    """Each block's forward ``torch.compile``d (``backend``, fullgraph): torchtitan's per-block recipe.
 
     Call it after :func:`parallelize` (the TP plan's hooks on a block's submodules are traced into its graph) and
     before ``fully_shard``/DDP (their hooks, on the block and the root, stay eager around the graphs).
@@ -284,10 +284,10 @@ def compile_blocks(model: NativeGpt) -> NativeGpt:
     plain tensor on torch 2.13 (``AttributeError: 'Tensor' object has no attribute '_local_tensor'`` in
     ``Redistribute.backward``), with ``aot_eager`` as with inductor. The copy is one (batch, seq/tp, dim) tensor.
 
-    >>> compile_blocks(from_params(params, cfg))  # doctest: +SKIP
+    >>> compile_blocks(from_params(params, cfg), "inductor")  # doctest: +SKIP
     """
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True)
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
     if any(isinstance(p, DTensor) for p in model.embed.parameters()):
         model.embed.register_forward_hook(lambda module, args, out: out.clone())  # after the plan's output hook
     return model

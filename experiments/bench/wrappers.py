@@ -1,8 +1,8 @@
 """Our layouts against torch's own wrappers, side by side (a benchmark, not a test).
 
 ``python -m experiments.bench [--quick] [--config gpt_small comm] [--pairs dp zero3 tp+sp zero3+tp+sp]
-[--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]`` (the package's default benchmark; also
-``python -m experiments.bench.wrappers``)
+[--jit] [--jit-backend inductor|aot_eager] [--steps 20] [--rounds 2] [--batch N] [--csv bench.csv]`` (the
+package's default benchmark; also ``python -m experiments.bench.wrappers``)
 
 Each side runs in its own ``shardings.launch`` (4 real processes; gloo on CPU, nccl on GPU) on the
 same ``models.gpt`` weights, global batch, fp32 (bf16 compute in ``zero3/bf16``) and AdamW(1e-3). The torch side is
@@ -26,7 +26,7 @@ pair (ours)        our mesh                      torch side
                    ``zero3+offload_optimizer     params, their grads and the optimizer state on the
                    +offload_params``             host and steps there, so ours offloads the same roles
 ``dp/jit``         ``Mesh(dp=4)``, layout ``dp``,  ``DistributedDataParallel`` over the model with each
-                   ``train_step(jit=True)``       block's forward ``torch.compile``d (inductor, fullgraph)
+                   ``train_step(jit=True)``       block's forward ``torch.compile``d (fullgraph)
 ``zero3/jit``      ``Mesh(dp=4)``, layout         FSDP2 ``fully_shard`` per block over blocks whose
                    ``zero3``, ``jit=True``        forward is ``torch.compile``d (torchtitan's recipe)
 ``tp+sp/jit``      ``Mesh(tp=4)``, layout         the TP plan, then each block's forward compiled (the
@@ -36,8 +36,10 @@ pair (ours)        our mesh                      torch side
 =================  ============================  ====================================================
 
 The ``/jit`` pairs (``--jit`` adds them) compare compiled with compiled, the same recipe on both sides: each
-block one inductor graph, embeddings, head and FSDP2's/DDP's collectives eager; the TP plan's collectives inside
-a block are in its graph on both sides (functional collectives). The torch side follows torchtitan's order:
+block one graph, embeddings, head and FSDP2's/DDP's collectives eager, both sides compiled by ``--jit-backend``
+(:mod:`experiments.bench.compile_backend`: ``inductor`` by default; ``aot_eager``, quick to compile, is what the
+tests run and no speed claim: the ``jit_backend`` column and the header say which ran); the TP plan's collectives
+inside a block are in its graph on both sides (functional collectives). The torch side follows torchtitan's order:
 parallelize (TP), compile each block, then ``fully_shard``. Ours runs ``models.gpt.stages(cfg)`` as the
 loss (its blocks declared). Neither side's first steps are counted (collectives, peak memory: dispatch modes
 around compiled code would compile other graphs); the eager pairs' rows give those.
@@ -89,7 +91,7 @@ from torch.nn.parallel import DistributedDataParallel
 import core
 import models.gpt as gpt
 import shardings
-from experiments.bench import native_gpt
+from experiments.bench import compile_backend, native_gpt
 from experiments.bench.tables import write_csv
 from shardings import PeakMemory, peak_memory
 from shardings.testing import LOW_PRECISION_ULPS, tolerance
@@ -115,6 +117,7 @@ class _Pair(NamedTuple):
     bf16: bool = False  # ours Policy.bf16_mixed(); torch MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     offload: bool = False  # torch side: FSDP2's CPUOffloadPolicy
     jit: bool = False  # ours train_step(jit=True); torch side each block torch.compile'd before wrapping
+    jit_backend: str = compile_backend.DEFAULT  # both sides' torch.compile backend under jit
 
 
 _PAIRS = {
@@ -170,7 +173,7 @@ def ours_step(pair: _Pair, cfg: gpt.Config, batch: dict, comm: list[int]):
     loss_fn = gpt.stages(cfg) if jit else functools.partial(gpt.loss, cfg=cfg)  # jit: its blocks compiled each
     precision = core.precision.Policy.bf16_mixed() if pair.bf16 else None
     ts = shardings.train_step(loss_fn, core.optim.adamw(1e-3), layout=layout, mesh=mesh, donate=True,
-                              precision=precision, jit=jit, count_comms=False)
+                              precision=precision, jit=jit, jit_backend=pair.jit_backend, count_comms=False)
     state = [params, ts.init(params)]
 
     def step(count: bool) -> float:
@@ -209,7 +212,7 @@ def _wrap_native(model: native_gpt.NativeGpt, pair: _Pair) -> tuple[Any, int]:
     elif layout == "zero3":
         dp_mesh = init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
     if pair.jit:  # each block's forward its own graph (torchtitan's recipe); the wrappers' hooks stay eager
-        native_gpt.compile_blocks(model)
+        native_gpt.compile_blocks(model, pair.jit_backend)
     if layout == "dp":
         return DistributedDataParallel(model), dist.get_rank()
     if dp_mesh is not None:  # FSDP2: one all-gather group per block, then the rest (embeddings, norm)
@@ -245,13 +248,14 @@ def native_step(pair: _Pair, cfg: gpt.Config, batch: dict, comm: list[int]):
     return step
 
 
-def _worker(side: str, pair: str, cfg_kw: dict, batch_size: int, steps: int, warmup: int) -> dict:
+def _worker(side: str, pair: str, cfg_kw: dict, batch_size: int, steps: int, warmup: int, jit_backend: str) -> dict:
     torch.manual_seed(0)
     cfg = gpt.Config(**cfg_kw)
     rss0 = _rss_mb()
     batch = gpt.example_batch(cfg, batch_size)
     comm = [0, 0]
-    step = (ours_step if side == "ours" else native_step)(spec(pair), cfg, batch, comm)
+    make = ours_step if side == "ours" else native_step
+    step = make(spec(pair)._replace(jit_backend=jit_backend), cfg, batch, comm)
     times, loss, mem = _timed(step, steps, warmup, measure=not _PAIRS[pair].jit)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
     peak = mem.peak / 2**20 if mem else float("nan")  # /jit pairs: not measured
@@ -266,8 +270,11 @@ def same_loss(pair: _Pair, ours: float, native: float) -> bool:
     return abs(ours - native) <= tol.rtol * abs(native) + tol.atol
 
 
-def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int, rounds: int = 1) -> list[dict]:
+def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmup: int, rounds: int = 1,
+        jit_backend: str = compile_backend.DEFAULT) -> list[dict]:
     """Run each pair on 4 ranks and return one row per pair (times in ms, memory in MB).
+
+    ``jit_backend`` compiles both sides of the ``/jit`` pairs (the row's ``jit_backend``; empty for the others).
 
     With ``rounds > 1`` each side is launched that many times, in the order ours, native, native, ours,
     ... (so a machine that drifts during the run slows both sides alike), and the step time is the
@@ -288,7 +295,8 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
         res: dict[str, list[dict]] = {"ours": [], "native": []}
         for k in range(rounds):
             for side in ("ours", "native") if k % 2 == 0 else ("native", "ours"):
-                res[side] += shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup)
+                res[side] += shardings.launch(_worker, 4, side, layout, model_kw, batch_size, steps, warmup,
+                                              jit_backend)
         med = {s: statistics.median(statistics.median(r["times"]) for r in res[s]) * 1e3 for s in res}
         loss = {s: res[s][0]["loss"] for s in res}
         if not same_loss(_PAIRS[layout], loss["ours"], loss["native"]):
@@ -297,7 +305,8 @@ def run(pairs: list[str], config: str, batch_size: int | None, steps: int, warmu
                 f"{loss['native']}. Fix: the two sides do not run the same model."
             )
         rows.append({
-            "config": config, "pair": f"{layout} vs {native}", "steps": steps,
+            "config": config, "pair": f"{layout} vs {native}",
+            "jit_backend": jit_backend if _PAIRS[layout].jit else "", "steps": steps,
             "ours_ms": round(med["ours"], 2), "native_ms": round(med["native"], 2),
             "ratio": round(med["ours"] / med["native"], 3),
             "ours_peak_mb": round(max(r["peak_mb"] for r in res["ours"]), 1),
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--jit", action="store_true",
                         help="add the compiled pairs (dp/jit, zero3/jit, tp+sp/jit, zero3+tp+sp/jit): "
                              "train_step(jit=True) vs compiled blocks")
+    compile_backend.add_option(parser)
     parser.add_argument("--config", nargs="+", default=["gpt_small"], choices=["gpt_small", "comm"],
                         help="model configs to run (gpt_small: compute-bound; comm: communication dominates)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side and launch (median reported)")
@@ -329,8 +339,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     configs, steps, warmup, rounds = (["quick"], 3, 2, 1) if args.quick else (args.config, args.steps, 3, args.rounds)
     pairs = args.pairs + [p for p in _JIT_PAIRS if args.jit and p not in args.pairs]
-    rows = [r for config in configs for r in run(pairs, config, args.batch, steps, warmup, rounds)]
+    rows = [r for config in configs
+            for r in run(pairs, config, args.batch, steps, warmup, rounds, jit_backend=args.jit_backend)]
     cols = list(rows[0])
+    if any(r["jit_backend"] for r in rows):
+        print(compile_backend.caveat(args.jit_backend))
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
