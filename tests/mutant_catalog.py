@@ -351,7 +351,9 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/step/test_jit_pipeline.py::test_zero_bubble_split_of_a_compiled_block_runs_its_backward_"
             "once_and_equals_the_whole_backward_bitwise",
             "tests/shardings/step/test_jit_pipeline.py::test_every_schedule_compiles_one_block_graph_without_breaks_or_"
-            "recompiles_and_equals_its_eager_twin")),
+            "recompiles_and_equals_its_eager_twin",
+            # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
+            "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

@@ -77,7 +77,14 @@ def _worker(*args: Any) -> list[Any]:
 
 def _worker_all(jobs: dict[str, tuple]) -> dict[str, list[Any]]:
     # One real rank running every layout in turn: one process start (and one torch import) for all of them.
-    return {name: _worker(*args) for name, args in jobs.items()}
+    out = {}
+    for name, args in jobs.items():
+        try:
+            out[name] = _worker(*args)
+        except Exception as e:  # the launch's error then names the run that raised, not only the rank
+            e.add_note(f"while running {name!r} (one launch runs every run of this world size in turn)")
+            raise
+    return out
 
 
 def runners(runtime: str, jobs: dict[str, tuple]) -> dict[str, Callable[[], list[list[Any]]]]:

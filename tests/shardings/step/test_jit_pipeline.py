@@ -3,8 +3,9 @@
 Compiled steps need real gloo ranks (simulated ranks cannot be compiled, torch 2.13); ``tiny`` gpt shapes and
 ``jit_backend="aot_eager"`` (the same graphs and forward/backward split as inductor, without code generation) keep
 the compile to tens of seconds a launch. The zero-bubble split of a compiled block's backward runs in one process.
-dp+pp with 1F1B against the single-device reference (accumulation, clipping, 3 AdamW steps) is a pinned case of
-tests/shardings/step/test_jit_equivalence.py (in the launch of its other 4-rank cases).
+Against the single-device reference (accumulation, clipping, 3 AdamW steps): dp+pp with 1F1B, zero3+pp with ZB-H1,
+tp+pp with ZB-V, and pp with ZB-H1 under bf16 are cases of tests/shardings/step/test_jit_equivalence.py
+(in the launches of its other cases).
 """
 
 import functools
