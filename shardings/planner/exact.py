@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from fractions import Fraction
 from typing import Any
 
@@ -42,7 +43,7 @@ from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.prediction import Prediction, Work
 
-__all__ = ["exact", "pipeline_sends"]
+__all__ = ["exact", "first_step_seconds", "pipeline_sends", "work_units"]
 
 _POLICIES = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed, "fp16": core.precision.Policy.fp16_mixed}
 
@@ -159,6 +160,30 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
                                replica=_work(total) if cand.pipelined else None)
 
 
+def work_units(cand: Candidate, period: int) -> int:
+    """What :func:`exact` costs, in blocks × microbatches run on fake tensors over all its fake steps: a fake step's
+    time grows with them (each op is a shape computation), so the search prices the next exact run by them."""
+    la = 2 * period
+    if not cand.pipelined:
+        ks = (1, 2) if cand.microbatches > 2 else (cand.microbatches,)
+        return sum(L * k for L in (la, la + period) for k in ks)
+    chunks = stages_per_rank(cand.schedule, cand.virtual_stages)
+    probes = sum(probe[0].microbatches for probe, _ in rank_programs(cand))
+    return 3 * (la + la + period) + probes * chunks * (la + la + period)
+
+
+def first_step_seconds(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int) -> float:
+    """Seconds of :func:`exact`'s cheapest fake step of ``cand`` (``2p`` blocks, the fewest microbatches) per work
+    unit: the price of the first exact run before any has run (that step is cached: ``exact`` does not run it
+    again)."""
+    k = 1 if cand.pipelined or cand.microbatches > 2 else cand.microbatches
+    mesh = tuple((a, 1 if a == "pp" else n) for a, n in cand.mesh)
+    start = time.perf_counter()
+    _measure(model, dataclasses.replace(cfg, layers=2 * period, remat=cand.remat), cand.layout, mesh,
+             rows // cand.microbatches * k, cand.precision, k, optimizer)
+    return (time.perf_counter() - start) / (2 * period * k)
+
+
 def _work(values: dict[str, Any]) -> Work:
     """The compute and dispatch of a step from its measured values (``flops/<dtype>``, ``ops/<kind>``, ...)."""
     def by(prefix: str) -> dict[str, float]:
@@ -173,8 +198,10 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
     the probe's chunks (so a rank of interleaved 1F1B or ZB-V runs its ``v`` chunks), with whether the rank runs
     the model's first stage and its last (:func:`~shardings.planner.fake_step.rank_stages`), and the most messages
     the rank holds sent and not yet known delivered (:func:`~shardings.pipeline.delivery.sends_held`: a probe at
-    ``pp = 1`` sends none); one per rank that no other rank covers (:func:`_covers`: a middle rank of 1F1B holds
-    less of everything than the rank after the first).
+    ``pp = 1`` sends none); one per rank with the model's first or last stage, and one for the others: of those no
+    other rank covers (:func:`_covers`: a middle rank of 1F1B holds less of everything than the rank after the first),
+    the one with the most microbatches held at once (forwards, and input gradients awaiting W), then the most
+    messages in flight.
 
     A rank's program is cut after the last moment it holds something new: what it holds is counted per chunk and
     state (forwards done; input gradients done, weight gradients pending; gradients summed), and after the cut
@@ -193,7 +220,12 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
         started = {a.mb for a in computes[:cut + 1]}
         kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb in started)
         ranks.append((kept, s.rank_of(0) == rank, s.rank_of(s.stages - 1) == rank, sends[rank], states))
-    programs = {r[:4]: None for r in ranks if not any(_covers(other, r) for other in ranks if other[:4] != r[:4])}
+    uncovered = [r for r in ranks if not any(_covers(other, r) for other in ranks if other[:4] != r[:4])]
+    # the ranks with the model's ends, and of the rest the one holding the most at once (a zero-bubble schedule's
+    # middle ranks trade forwards held for weight gradients deferred: one probe stands for them)
+    middle = [r for r in uncovered if not (r[1] or r[2])]
+    fullest = max(middle, key=lambda r: (max(sum(x[:2 * len(x) // 3]) for x in r[4]), r[3]), default=None)
+    programs = {r[:4]: None for r in uncovered if r[1] or r[2] or r is fullest}
     return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in p), (program(list(p), s.stages_per_rank),),
                        stages_per_rank=s.stages_per_rank), first, last), held) for p, first, last, held in programs]
 

@@ -7,7 +7,10 @@
    peak exceeds a rank's memory by more than ``slack``.
 3. The fastest estimates are run exactly (:mod:`shardings.planner.exact`: fake steps at two depths), best first,
    until ``top_k`` exact candidates fit and no estimate left is faster than the ``top_k``-th exact one, or
-   ``budget_s`` would be spent before another exact prediction as long as the longest so far ends. An exact
+   ``budget_s`` is spent. One whose exact prediction would end past it is not run (it stays an estimate, and a
+   cheaper one after it may run): its price is its blocks × microbatches on fake tensors
+   (:func:`~shardings.planner.exact.work_units`: a pipeline's probes run each rank's microbatches) at the most
+   seconds per unit seen so far, the first priced by its own cheapest fake step. An exact
    candidate that does not fit is dropped with its numbers, and so is an estimate over the memory; one whose
    exact prediction raises is dropped with the error (listed under the table) and the search goes on. An estimate
    that the exact runs so far say will not fit (its peak times their
@@ -51,7 +54,7 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
         space: what to search besides layouts and meshes (:class:`~shardings.planner.Space`; default ``Space()``).
         top_k: how many candidates to predict exactly (fake steps), fastest estimates first.
         budget_s: seconds of exact predictions at most (counted after the estimates): none starts that would end
-            past it if it took as long as the longest so far.
+            past it at the most seconds per work unit seen so far (module docstring).
         slack: drop a candidate whose *estimated* peak exceeds memory by more than this factor (model state
             alone: any excess).
         candidates: search these instead of enumerating (e.g. one layout to check).
@@ -110,17 +113,20 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     exact: list[Row] = []
     ratios: list[float] = []  # exact / estimated step time of each candidate run exactly
     peaks: list[float] = []  # and peak memory
-    exact_start, longest = time.perf_counter(), 0.0  # the longest exact prediction so far: the next may take as long
+    exact_start, rate = time.perf_counter(), None  # seconds per work unit of an exact prediction, the most so far
     for row in estimated:
         scale = _median(ratios)
         kth = sorted(r.timing.total for r in exact)[top_k - 1] if len(exact) >= top_k else None
-        if (kth is not None and row.timing.total * scale >= kth) or \
-                time.perf_counter() - exact_start + longest > budget_s:
+        if (kth is not None and row.timing.total * scale >= kth) or time.perf_counter() - exact_start > budget_s:
             break
         if row.prediction.peak * _median(peaks) > cluster.memory:  # the exact runs so far say it will not fit
             continue
-        started = time.perf_counter()
+        started, units = time.perf_counter(), exacts.work_units(row.candidate, period)
         try:
+            if rate is None:  # priced by its own cheapest fake step, which its exact run reuses
+                rate = exacts.first_step_seconds(model, cfg, rows, row.candidate, optimizer, period)
+            if time.perf_counter() - exact_start + units * rate > budget_s:
+                continue  # would end past the budget: it stays an estimate (a cheaper one may still run)
             pred = predict(row.candidate)
         except (ShardingError, ValueError, RuntimeError) as e:
             dropped[row.candidate] = f"the step refuses it: {str(e).splitlines()[0]}"
@@ -129,7 +135,7 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
             dropped[row.candidate] = describe_failure(e)
             continue
         finally:
-            longest = max(longest, time.perf_counter() - started)
+            rate = max(rate or 0.0, (time.perf_counter() - started) / units)
         timed = Row(pred, step_time(pred, cluster))
         ratios.append(timed.timing.total / row.timing.total)
         peaks.append(pred.peak / row.prediction.peak)

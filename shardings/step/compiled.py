@@ -58,9 +58,10 @@ from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.placeholder import resolve
 
-__all__ = ["DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
+__all__ = ["DEFAULT_JIT_BACKEND", "DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
+DEFAULT_JIT_BACKEND = "inductor"  # train_step(jit=True)'s torch.compile backend when none is named
 # The presets whose compositions compile on the DTensor path (the local path's layouts always do); with pp, each
 # stage runs on the DTensor path of the others.
 DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep", "pp"})

@@ -98,7 +98,7 @@ class TrainStep:
                  count_comms=True, donate=False, plan: Plan | None = None, schedule: str | Schedule | None = None,
                  microbatches: int | None = None, stage_sizes: list[int] | None = None,
                  virtual_stages: int | None = None, scalar_metrics: bool = True, jit: bool = False,
-                 jit_backend: str = "inductor"):
+                 jit_backend: str = compiled.DEFAULT_JIT_BACKEND):
         if not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps must be an int >= 1, got {accum_steps!r}")
         self.layout = layouts.get(layout)
@@ -340,7 +340,8 @@ def train_step(loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, l
                count_comms: bool = True, donate: bool = False, plan: Plan | None = None,
                microbatches: int | None = None, schedule: str | Schedule | None = None,
                stage_sizes: list[int] | None = None, virtual_stages: int | None = None,
-               scalar_metrics: bool = True, jit: bool = False, jit_backend: str = "inductor") -> TrainStep:
+               scalar_metrics: bool = True, jit: bool = False,
+               jit_backend: str = compiled.DEFAULT_JIT_BACKEND) -> TrainStep:
     """Build the sharded train step for ``loss_fn(params, batch) -> scalar`` under a layout.
 
     Args:

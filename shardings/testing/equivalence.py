@@ -17,6 +17,7 @@ from shardings.comm.buckets import DEFAULT_BUCKET_MB
 from shardings.pipeline import plan as pipeline_plan
 from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
+from shardings.step.compiled import DEFAULT_JIT_BACKEND
 from shardings.testing.power import Judge, Limit, detection_limit, summarize, unknown_patterns
 from shardings.testing.report import Report, Row
 from shardings.testing.sharded_runs import StagesOf, runners
@@ -171,7 +172,7 @@ def check_equivalence(
     tolerances: dict[str, float] | None = None,
     exclude: Sequence[str] = (),
     jit: bool = False,
-    jit_backend: str = "inductor",
+    jit_backend: str = DEFAULT_JIT_BACKEND,
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 

@@ -73,6 +73,8 @@ def test_pipelined_estimate_sends_the_exact_parameter_collective_bytes(cand):
     assert exact.exact
     assert _data_rows(estimated) == _data_rows(exact)
     # the estimated peak counts the stage's unreduced gradients (held twice, or with their reduce-dtype copy): never
-    # below the fake step's, so the estimate phase keeps no pipelined candidate that cannot fit; at most 1.5x (it
-    # adds every in-flight microbatch's activations to the reduction's buffers, live at different times)
-    assert exact.peak <= estimated.peak <= 1.5 * exact.peak
+    # below the fake step's, so the estimate phase keeps no pipelined candidate that cannot fit; at most 1.6x (it
+    # adds every in-flight microbatch's activations to the reduction's buffers, live at different times, and counts
+    # a zero-bubble microbatch awaiting W as a whole forward's activations, where it holds the weight ops' inputs
+    # and output gradients: 1.56x for hsdp+pp zb_v since the probes run each rank's own program)
+    assert exact.peak <= estimated.peak <= 1.6 * exact.peak

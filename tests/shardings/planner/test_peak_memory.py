@@ -6,6 +6,7 @@ peak; the planner predicts the same layouts on fake tensors. Pipelined ones incl
 stages, GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, and a bf16 policy.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -25,7 +26,10 @@ CANDIDATES = [Candidate("zero3", (("dp", 4),)), Candidate("hsdp", (("dp", 2), ("
               Candidate("zero3+pp", PIPE, 4, "1f1b"), Candidate("zero1+pp", PIPE, 2, "gpipe"),
               Candidate("zero2+pp", PIPE, 4, "1f1b", precision="bf16"),
               Candidate("zero1+pp", PIPE, 4, "interleaved_1f1b", virtual_stages=2),
-              Candidate("zero2+pp", PIPE, 4, "zb_h1", precision="bf16"), Candidate("zero3+pp", PIPE, 4, "zb_v")]
+              Candidate("zero2+pp", PIPE, 4, "zb_h1", precision="bf16"), Candidate("zero3+pp", PIPE, 4, "zb_v"),
+              # remat under zero bubble: B recomputes the blocks and W needs what the recomputation saved, so a
+              # microbatch awaiting W holds it (2.25x 1F1B's remat peak here)
+              Candidate("zero1+pp", PIPE, 4, "zb_h1", remat=True)]
 POLICIES = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed}
 
 
@@ -36,17 +40,18 @@ def _peaks(cands: list[Candidate]) -> list[int]:
     for cand in cands:
         mesh = shardings.Mesh(cand.sizes)
         stages = dict(schedule=cand.schedule, virtual_stages=cand.virtual_stages) if cand.pipelined else {}
-        params = shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG),
+        cfg = dataclasses.replace(CFG, remat=cand.remat)
+        params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg),
                                 layout=cand.layout, mesh=mesh, **stages)
         policy = POLICIES[cand.precision]
-        loss = models.gpt.stages(CFG) if cand.pipelined else functools.partial(models.gpt.loss, cfg=CFG)
+        loss = models.gpt.stages(cfg) if cand.pipelined else functools.partial(models.gpt.loss, cfg=cfg)
         batching = (dict(microbatches=cand.microbatches, **stages) if cand.pipelined
                     else dict(accum_steps=cand.microbatches))
         step = shardings.train_step(loss, core.optim.adamw(1e-3), layout=cand.layout, mesh=mesh, count_comms=False,
                                     donate=True, scalar_metrics=False, precision=policy and policy(), **batching)
         state = step.init(params)
         params = step.stored(params)
-        batch = models.gpt.example_batch(CFG, ROWS)
+        batch = models.gpt.example_batch(cfg, ROWS)
         params, state, _ = step(params, state, batch)
         with shardings.peak_memory() as m:
             params, state, _ = step(params, state, batch)
