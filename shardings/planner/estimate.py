@@ -39,15 +39,30 @@ _BUCKET = 25 * 2**20  # bytes per bucketed collective (shardings.comm.buckets.DE
 _RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
 
+# What a microbatch awaiting W holds, in forwards' saved activations (without remat): its weight ops' inputs and the
+# output gradients B recorded for them (at most 2); under remat also what B's recomputation saved, kept for W (the
+# fake steps of tests/shardings/planner/test_estimate.py's zero-bubble remat case: 3.1; upper bound 3.5).
+_AWAITING_W, _AWAITING_W_REMAT = 2.0, 3.5
+
+
 @functools.lru_cache(maxsize=4096)
-def pipeline_facts(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[float, int] | None:
-    """``(bubble, most microbatches in flight on a rank)`` of a registered schedule, or ``None`` if it cannot be
-    built for these sizes (its own checks)."""
+def pipeline_facts(schedule: str, pp: int, microbatches: int,
+                   virtual_stages: int | None) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+    """``(bubble, held)`` of a registered schedule, or ``None`` if it cannot be built for these sizes (its own
+    checks). ``held``: the ``(forwards held, backwards awaiting W)`` a rank holds at once, every pair no other
+    moment of any rank holds at least as many of both (a schedule that does not split the backward: ``(n, 0)``)."""
     try:
         s = build(schedule, pp, microbatches, virtual_stages=virtual_stages)
     except ValueError:
         return None
-    return s.bubble(), max(s.peak_in_flight())
+    pairs: set[tuple[int, int]] = set()
+    for actions in s.ranks:
+        forwards = awaiting = 0
+        for a in actions:
+            forwards += {"F": 1, "B": -1}.get(a.kind, 0)
+            awaiting += {"B": 1, "W": -1}.get(a.kind, 0) if s.split_backward else 0
+            pairs.add((forwards, awaiting))
+    return s.bubble(), tuple(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -110,12 +125,12 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     stage = tuple((a, n) for a, n in sizes.items() if a != "pp") or (("dp", 1),)  # as Mesh.without("pp")
     leaves = model_state.leaves(model, cfg, cand.layout, stage, period)
     pp, m = cand.size("pp"), cand.microbatches
-    bubble, in_flight, blocks = 0.0, 1, busiest_blocks(cfg, cand)
+    bubble, held, blocks = 0.0, ((1, 0),), busiest_blocks(cfg, cand)
     if cand.pipelined:
         facts = pipeline_facts(cand.schedule, pp, m, cand.virtual_stages)
         if facts is None:
             return None
-        bubble, in_flight = facts
+        bubble, held = facts
     reps = blocks / period  # periods of blocks on the busiest rank
     prof = profiles[(compute, bool(cand.remat))]
     data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
@@ -143,7 +158,11 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     dtype = str(compute or torch.float32).removeprefix("torch.")
     mine = work(blocks, state["opt_bytes"])
     replica = work(cfg.layers, state["opt_bytes"] * cfg.layers / blocks) if cand.pipelined else None
-    saved = _saved(prof, blocks, local_rows / m, t, c, sp, in_flight)
+    full = _saved(profiles[(compute, False)], blocks, local_rows / m, t, c, sp, 1)
+    one = _saved(prof, blocks, local_rows / m, t, c, sp, 1)
+    edge = _saved(prof, 0, local_rows / m, t, c, sp, 1)
+    awaiting_w = _AWAITING_W_REMAT if cand.remat else _AWAITING_W
+    saved = edge + max(f * (one - edge) + w * awaiting_w * (full - edge) for f, w in held)
     buffers = _buffers(leaves, reps, compute, layout, cand, prof, local_rows / m, split)
     if cand.pipelined:  # the reduction's copy, once the schedule's activations are freed
         buffers += max(0.0, _reduction_copy(leaves, reps, DTYPES[cand.precision][1] or compute) - saved)

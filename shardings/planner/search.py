@@ -77,9 +77,8 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
                                           space=space or Space())
     period = block_period(model, cfg)
     profiles = {}
-    for c in {(cand.precision, cand.remat) for cand in candidates}:
-        compute = estimates.DTYPES[c[0]][0]
-        profiles[(compute, bool(c[1]))] = profile(model, dataclasses.replace(cfg, remat=c[1]), compute)
+    for precision, remat in {(c.precision, c.remat) for c in candidates}:
+        profiles |= _profiles_of(model, cfg, precision, remat)
     dropped: dict[Candidate, str] = {}
     estimated: list[Row] = []
     for cand in candidates:
@@ -161,5 +160,12 @@ def _median(values: list[float]) -> float:
 
 
 def _profiles(model: Any, cfg: Any, cand: Candidate) -> dict:
-    compute = estimates.DTYPES[cand.precision][0]
-    return {(compute, bool(cand.remat)): profile(model, dataclasses.replace(cfg, remat=cand.remat), compute)}
+    """The one-device profiles ``cand``'s estimate reads (:func:`_profiles_of`)."""
+    return _profiles_of(model, cfg, cand.precision, cand.remat)
+
+
+def _profiles_of(model: Any, cfg: Any, precision: str, remat: bool | str) -> dict:
+    """Profiles under ``remat``, and without (what a zero-bubble rank's microbatch awaiting W holds under remat:
+    the recomputed activations), by ``(compute dtype, remat)``."""
+    compute = estimates.DTYPES[precision][0]
+    return {(compute, bool(r)): profile(model, dataclasses.replace(cfg, remat=r), compute) for r in {remat, False}}

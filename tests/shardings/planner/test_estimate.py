@@ -61,6 +61,8 @@ def _data_rows(pred) -> dict:
     Candidate("zero1+tp+sp+pp", (("pp", 2), ("dp", 2), ("tp", 2)), 4, "interleaved_1f1b", 2, True, "bf16"),
     Candidate("zero3+pp", (("pp", 2), ("dp", 2)), 2, "1f1b", None, False, "fp32"),
     Candidate("hsdp+pp", (("pp", 2), ("dp", 2), ("fsdp", 2)), 2, "zb_v", None, False, "bf16"),
+    # zero bubble under remat: a microbatch awaiting W holds the recomputed activations, not the block's input
+    Candidate("zero1+pp", (("pp", 2), ("dp", 2)), 4, "zb_h1", None, True, "fp32"),
 ], ids=str)
 def test_pipelined_estimate_sends_the_exact_parameter_collective_bytes(cand):
     opt = core.optim.adamw(1e-3)
@@ -73,8 +75,7 @@ def test_pipelined_estimate_sends_the_exact_parameter_collective_bytes(cand):
     assert exact.exact
     assert _data_rows(estimated) == _data_rows(exact)
     # the estimated peak counts the stage's unreduced gradients (held twice, or with their reduce-dtype copy): never
-    # below the fake step's, so the estimate phase keeps no pipelined candidate that cannot fit; at most 1.6x (it
+    # below the fake step's, so the estimate phase keeps no pipelined candidate that cannot fit; at most 1.75x (it
     # adds every in-flight microbatch's activations to the reduction's buffers, live at different times, and counts
-    # a zero-bubble microbatch awaiting W as a whole forward's activations, where it holds the weight ops' inputs
-    # and output gradients: 1.56x for hsdp+pp zb_v since the probes run each rank's own program)
-    assert exact.peak <= estimated.peak <= 1.6 * exact.peak
+    # a zero-bubble microbatch awaiting W at the most it can hold, estimate._AWAITING_W: 1.70x for hsdp+pp zb_v)
+    assert exact.peak <= estimated.peak <= 1.75 * exact.peak
