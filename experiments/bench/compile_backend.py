@@ -10,11 +10,12 @@ speed claim, and the output says so (:func:`caveat`).
 from __future__ import annotations
 
 import argparse
+import inspect
 
-from shardings.step.compiled import DEFAULT_JIT_BACKEND
+import shardings
 
 # train_step's own default: the benches measure what train_step(jit=True) runs when not told otherwise.
-DEFAULT: str = DEFAULT_JIT_BACKEND
+DEFAULT: str = inspect.signature(shardings.train_step).parameters["jit_backend"].default
 CHOICES = ("inductor", "aot_eager")
 
 
