@@ -57,13 +57,12 @@ def _step_times(cand: Candidate, cfg_kw: dict, rows: int, steps: int, warmup: in
     cfg = models.gpt.Config(**cfg_kw)
     mesh = shardings.Mesh(cand.sizes)
     layout = shardings.layouts.get(cand.layout)
-    kw = dict(schedule=cand.schedule, microbatches=cand.microbatches) if cand.pipelined else \
-        dict(accum_steps=cand.microbatches)
     loss = models.gpt.stages(cfg) if layout.pipelined else functools.partial(models.gpt.loss, cfg=cfg)
     params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg), layout=layout,
                             mesh=mesh, **({"schedule": cand.schedule} if cand.pipelined else {}))
+    pipe = shardings.pipeline.plan_for(layout, mesh, params, schedule=cand.schedule, microbatches=cand.microbatches)
     step = shardings.train_step(loss, core.optim.adamw(1e-3), layout=layout, mesh=mesh, count_comms=False,
-                                donate=True, scalar_metrics=False, **kw)
+                                donate=True, scalar_metrics=False, accum_steps=cand.microbatches, plan=pipe)
     state = [params, step.init(params)]
     batch = models.gpt.example_batch(cfg, rows)
     times = []

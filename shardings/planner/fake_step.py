@@ -38,7 +38,7 @@ import core
 from core import deferred, tree
 from shardings.comm.accounting import comms
 from shardings.comm.peak_memory import peak_memory
-from shardings.pipeline import Stages
+from shardings.pipeline import Stages, plan
 from shardings.runtime.compat import (
     FakeStore,
     FakeTensorMode,
@@ -203,7 +203,7 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         optimizer: a ``core.optim`` transformation (default AdamW).
         precision: a ``core.precision.Policy`` or ``None``.
         microbatches: accumulation steps, or with ``pp`` the pipeline's microbatches.
-        schedule: with ``pp``, the schedule's name (default ``1f1b``).
+        schedule: with ``pp``, the schedule's name (default ``shardings.pipeline.DEFAULT_SCHEDULE``).
         virtual_stages: with ``pp`` and an interleaved schedule, stages per rank.
         stage_sizes: with ``pp``, blocks per stage.
         ends: with ``pp``, whether the rank this step stands for runs the model's first stage and its last
@@ -223,12 +223,12 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         params, axes = _fake_params(model, cfg, layout, stage_mesh, mode)
         loss = rank_stages(model.stages(cfg), *ends) if layout.pipelined else _bound(model.loss, cfg)
-        pipeline = dict(schedule=schedule or "1f1b", virtual_stages=virtual_stages, stage_sizes=stage_sizes)
+        pipe = plan(layout, full, params, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                    stage_sizes=stage_sizes, blocks=loss.blocks) if layout.pipelined else None
         with mode:
             batch = model.example_batch(cfg, batch_rows)
-            step = train_step(loss, optimizer, layout=layout, mesh=full, axes=axes, precision=precision,
-                              microbatches=microbatches, scalar_metrics=False, count_comms=False, donate=True,
-                              **(pipeline if layout.pipelined else {}))
+            step = train_step(loss, optimizer, layout=layout, mesh=full, axes=axes, precision=precision, plan=pipe,
+                              accum_steps=microbatches or 1, scalar_metrics=False, count_comms=False, donate=True)
             state = step.init(params)
             params = step.stored(params)  # as steps after the first see them (zero1/2 + policy: the compute copy)
             counter = OpCounter()

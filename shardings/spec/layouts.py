@@ -43,6 +43,7 @@ __all__ = [
     "register",
     "register_alias",
     "register_combination",
+    "resolve",
     "validate",
     "warn_idle_axes",
 ]
@@ -348,3 +349,22 @@ def validate(layout: Layout, mesh: Mesh) -> None:
                     fix=f"add the axis to the mesh (e.g. Mesh({alternatives[0]}=2, ...)) or drop {p!r}",
                     mesh=mesh,
                 )
+
+
+_RESOLVED: set[tuple[Layout, tuple[str, ...]]] = set()  # (layout, mesh axes) already validated
+
+
+def resolve(spec: str | Layout | Iterable[str], mesh: Mesh) -> Layout:
+    """The one resolution of a run's layout on its mesh: :func:`get` and :func:`validate`, checked once per
+    (layout, mesh axes) in a process. ``shardings.init`` and ``train_step`` call it (and ``experiments.build``);
+    after the first, a ``Layout`` already checked on this mesh's axes passes straight through.
+
+    Raises:
+        ShardingError: as :func:`get` and :func:`validate`.
+    """
+    layout = get(spec)
+    key = (layout, tuple(mesh.axis_names))
+    if key not in _RESOLVED:
+        validate(layout, mesh)
+        _RESOLVED.add(key)
+    return layout

@@ -15,7 +15,15 @@ from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import Mesh
 from shardings.spec.rules import logical_to_spec
 
-__all__ = ["place", "split"]
+__all__ = ["default_token_count", "place", "split"]
+
+
+def default_token_count(batch: Any, ignore_index: int = -100) -> torch.Tensor:
+    """Tokens a batch contributes to the loss: labels ≠ ``ignore_index``, else the leading dim of the first leaf."""
+    if isinstance(batch, dict) and "labels" in batch:
+        return (batch["labels"] != ignore_index).sum()
+    first = tree.leaves(batch)[0]
+    return torch.ones((), dtype=torch.int64) * first.shape[0]
 
 
 def place(batch: Any, layout: Any, mesh: Mesh, accum_steps: int) -> Any:

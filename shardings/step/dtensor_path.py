@@ -12,7 +12,7 @@ where those are replicated, a reduce-scatter where they are sharded (:func:`shar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,10 +23,9 @@ from shardings.residency import gather_buckets
 from shardings.residency.gather_params import regather_in_backward
 from shardings.runtime.compat import implicit_replication
 from shardings.spec.context import use
+from shardings.step import batching
+from shardings.step.context import GradContext, ParamPlan
 from shardings.step.mixed import Cast
-
-if TYPE_CHECKING:
-    from shardings.step.train_step import ParamPlan, TrainStep
 
 __all__ = ["grads", "reduce_in_backward"]
 
@@ -43,37 +42,35 @@ def _reducer(placements: Any, cast: Cast) -> Callable[[torch.Tensor], torch.Tens
     return lambda g: cast.to_reduce(g).redistribute(g.device_mesh, placements).to(g.dtype)
 
 
-def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any, scale: torch.Tensor | None,
-          compiled: bool = False) -> tuple[torch.Tensor, Any, torch.Tensor]:
+def grads(ctx: GradContext, plan: ParamPlan, params: Any, batch: Any,
+          scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
     """``(loss, grads, tokens)`` of the global mean loss on a placed ``batch``; grads reduced into the optimizer
-    state's placements. ``scale``: backward runs on the loss times it. ``compiled``: the loss runs
-    ``step.compiled``'s graphs (:mod:`shardings.step.compiled`)."""
-    loss_fn = step.compiled.loss_fn if compiled else step.loss_fn
+    state's placements. ``scale``: backward runs on the loss times it."""
     leaves = [p.detach().requires_grad_(True) for p in tree.leaves(params)]
     reduce_now = reduce_in_backward(plan.placements)
-    hooks = [p.register_hook(_reducer(plan.placements["grads"][i], step.cast))
+    hooks = [p.register_hook(_reducer(plan.placements["grads"][i], ctx.cast))
              for i, p in enumerate(leaves) if reduce_now[i]]
-    total_tokens = step.token_count(batch)
+    total_tokens = ctx.token_count(batch)
     loss_sum, acc = None, None
     try:
-        for mb in step.microbatches(batch):
-            weight = step.token_count(mb) / total_tokens
+        for mb in batching.split(batch, ctx.accum_steps):
+            weight = ctx.token_count(mb) / total_tokens
             # a constant the loss makes (a mask, arange) is replicated where it meets a DTensor, in forward and backward
-            with use(step.mesh, step.layout), implicit_replication(), regather_in_backward(), dtensor_errors():
-                compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], step.bucket_mb,
-                                                         plan.units, step.cast)
-                compute = [step.cast.to_compute(x) for x in compute]
-                loss = loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
+            with use(ctx.mesh, ctx.layout), implicit_replication(), regather_in_backward(), dtensor_errors():
+                compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], ctx.bucket_mb,
+                                                         plan.units, ctx.cast)
+                compute = [ctx.cast.to_compute(x) for x in compute]
+                loss = ctx.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                 del compute
                 gathers.close()  # forget every gathered bucket: autograd holds what backward needs
                 scaled = loss if scale is None else loss * scale
                 g = gather_buckets.settle(torch.autograd.grad(scaled, leaves, allow_unused=True), gathers)
-            g = [step.cast.to_reduce(torch.zeros_like(p) if gi is None else gi) for p, gi in zip(leaves, g)]
+            g = [ctx.cast.to_reduce(torch.zeros_like(p) if gi is None else gi) for p, gi in zip(leaves, g)]
             acc = g if acc is None else [a + b for a, b in zip(acc, g)]
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     finally:
         for h in hooks:
             h.remove()
     # Partial -> replicated: all-reduce (one per bucket); -> sharded: reduce-scatter (per leaf).
-    reduced = buckets.reduce(acc, plan.placements["opt_state"], step.bucket_mb)
+    reduced = buckets.reduce(acc, plan.placements["opt_state"], ctx.bucket_mb)
     return loss_sum, tree.unflatten(plan.treedef, reduced), total_tokens

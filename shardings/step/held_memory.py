@@ -4,7 +4,7 @@ while they are reduced, and the compute-dtype copies of the params a precision p
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -12,9 +12,7 @@ from core import tree
 from shardings.comm import accounting
 from shardings.spec.mesh import Mesh, P
 from shardings.step import dtensor_path, ownership
-
-if TYPE_CHECKING:
-    from shardings.step.train_step import ParamPlan
+from shardings.step.context import ParamPlan
 
 __all__ = ["compute_copy_bytes", "grad_bytes", "roles"]
 

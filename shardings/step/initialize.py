@@ -19,7 +19,7 @@ from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import is_names, logical_to_spec
 from shardings.step.ownership import absent, ownership
 
-__all__ = ["init", "param_specs"]
+__all__ = ["init", "param_specs", "recorded_axes"]
 
 # Dims whose per-shard size must be whole: the model reshapes around them (heads × head_dim).
 _MUST_DIVIDE = ("heads", "kv_heads", "head_dim")
@@ -142,8 +142,7 @@ def init(
     ...     params = init(models.mlp.init, core.random.key(0), cfg, axes=models.mlp.axes(cfg),
     ...                   layout="zero3", mesh=Mesh(dp=4))
     """
-    layout = layouts.get(layout)
-    layouts.validate(layout, mesh)
+    layout = layouts.resolve(layout, mesh)
     stage_mesh = mesh.without("pp") if layout.pipelined else mesh  # pipeline stages: params live on the stage mesh
     stage_mesh.device_mesh  # noqa: B018  (no process group: shardlab's error saying what to do, before torch's)
     if isinstance(schedule, tuple):
@@ -167,3 +166,20 @@ def init(
     for p, names in zip(tree.leaves(params), tree.leaves(axes, is_leaf=is_names)):
         p._logical_names = tuple(names)
     return params
+
+
+def recorded_axes(params: Any) -> Any:
+    """The logical axes :func:`init` recorded on each parameter, as a tree like ``params``.
+
+    Raises:
+        TypeError: a parameter without a record (not made by ``shardings.init``).
+    """
+    # Per parameter, not per name: a None *inside* a names tuple is a replicated dim, not a missing record.
+    recorded = [getattr(p, "_logical_names", None) for p in tree.leaves(params)]
+    if any(names is None for names in recorded):
+        raise sharding_error(
+            "train_step cannot tell the logical axes of the params (they were not made by shardings.init)",
+            fix="pass axes=model.axes(cfg) to train_step",
+            cls=TypeError,
+        )
+    return tree.unflatten(tree.structure(params), recorded)

@@ -38,7 +38,7 @@ instead of one block's) from the first forward to the last backward, next to the
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,48 +54,47 @@ from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.placeholder import resolve
 from shardings.spec.rules import logical_to_spec
-from shardings.step import ownership
+from shardings.step import batching, ownership
+from shardings.step.context import GradContext, ParamPlan
 from shardings.step.ownership import absent
-
-if TYPE_CHECKING:
-    from shardings.step.train_step import ParamPlan, TrainStep
 
 __all__ = ["grads", "metrics"]
 
 
-def grads(step: TrainStep, plan: ParamPlan, params: Any, batch: Any, scale: torch.Tensor | None,
-          compiled: bool = False) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """``(loss, grads, tokens)`` from the schedule; grads reduced and laid out like the optimizer state.
+def grads(ctx: GradContext, plan: ParamPlan, params: Any, batch: Any,
+          scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor, Result]:
+    """``(loss, grads, tokens, result)`` from the schedule; grads reduced and laid out like the optimizer state,
+    ``result`` the run's :class:`~shardings.pipeline.Result` without its grads (timeline, saved activation peaks).
 
     Under a precision policy the stage weights are cast to compute dtype before they are gathered, the
     microbatches' gradients are summed in compute dtype by the executor (one per stage weight, in microbatch
     order) and cast to reduce dtype for their reduction; a loss scale multiplies every microbatch's weight.
     """
-    pipe, own = step.pipeline, plan.ownership
-    batch = step.place_batch(batch)
-    mbs = step.microbatches(batch)
-    total = step.token_count(batch)
-    weights = [step.token_count(mb) / total for mb in mbs]
+    pipe, own = ctx.pipeline, plan.ownership
+    batch = batching.place(batch, ctx.layout, ctx.mesh, ctx.accum_steps)
+    mbs = batching.split(batch, ctx.accum_steps)
+    total = ctx.token_count(batch)
+    weights = [ctx.token_count(mb) / total for mb in mbs]
     if scale is not None:
         weights = [w * scale for w in weights]
-    compute = tree.unflatten(plan.treedef, _gather_once(step, plan, params))
-    carry = (step.loss_fn, _CarryPlacements(step.loss_fn, step.layout, step.mesh), step.mesh.device_mesh)
+    compute = tree.unflatten(plan.treedef, _gather_once(ctx, plan, params))
+    carry = (ctx.loss_fn, _CarryPlacements(ctx.loss_fn, ctx.layout, ctx.mesh), ctx.mesh.device_mesh)
     # a constant a stage makes (a mask, arange) is replicated where it meets a DTensor
     with implicit_replication():
-        result = run(pipe.schedule, _in_stage(step, compiled), pipe.split, compute, mbs, weights, mesh=step.full_mesh,
+        result = run(pipe.schedule, _in_stage(ctx), pipe.split, compute, mbs, weights, mesh=ctx.full_mesh,
                      carry_layout=carry)
-    step.last = dataclasses.replace(result, grads=None)  # its timeline and peaks; the grads are reduced below
     g, opt_pl = tree.leaves(result.grads), plan.placements["opt_state"]
     held = own.held(len(g))
     # cast to reduce dtype bucket by bucket as each is reduced: never a copy of every gradient at once
-    mine = dict(zip(held, buckets.reduce([g[i] for i in held], [opt_pl[i] for i in held], step.bucket_mb,
-                                         step.cast.reduce)))
+    mine = dict(zip(held, buckets.reduce([g[i] for i in held], [opt_pl[i] for i in held], ctx.bucket_mb,
+                                         ctx.cast.reduce)))
     # another stage's block: absent, stored like its optimizer state
-    reduced = [mine[i] if i in mine else absent(x.shape, step.cast.to_reduce(x).dtype, step.mesh, opt_pl[i])
+    reduced = [mine[i] if i in mine else absent(x.shape, ctx.cast.to_reduce(x).dtype, ctx.mesh, opt_pl[i])
                for i, x in enumerate(g)]
     ownership.sum_shared(own, reduced)  # the first and the last stage each hold part (reduced in-stage first)
     loss = result.loss if scale is None else result.loss / scale
-    return loss, tree.unflatten(plan.treedef, reduced), total
+    # its timeline and peaks; the grads are reduced above
+    return loss, tree.unflatten(plan.treedef, reduced), total, dataclasses.replace(result, grads=None)
 
 
 def metrics(pipe: Plan, result: Result) -> dict[str, Any]:
@@ -109,20 +108,20 @@ def metrics(pipe: Plan, result: Result) -> dict[str, Any]:
     return out
 
 
-def _gather_once(step: TrainStep, plan: ParamPlan, params: Any) -> list[Any]:
+def _gather_once(ctx: GradContext, plan: ParamPlan, params: Any) -> list[Any]:
     """This rank's parameters in their compute layout for the whole step: ZeRO-3's gathers (one all-gather
     per bucket, :func:`~shardings.residency.gather_buckets.gather`) run once before the schedule, not per
     microbatch (module docstring); another stage's block stays absent (real ranks)."""
-    leaves, pl, cast = tree.leaves(params), plan.placements["compute"], step.cast
+    leaves, pl, cast = tree.leaves(params), plan.placements["compute"], ctx.cast
     held = plan.ownership.held(len(leaves))
     with torch.no_grad():
-        gathered, gathers = gather_buckets.gather([leaves[i] for i in held], [pl[i] for i in held], step.bucket_mb,
+        gathered, gathers = gather_buckets.gather([leaves[i] for i in held], [pl[i] for i in held], ctx.bucket_mb,
                                                   [plan.units[i] for i in held], cast)
         gathered = [cast.to_compute(resolve(x)) for x in gathered]  # cast before a bucket's gather
         gathers.close()
     dtype = lambda x: cast.compute if cast.compute and x.is_floating_point() else x.dtype
     mine = dict(zip(held, gathered))
-    return [mine[i] if i in mine else absent(x.shape, dtype(x), step.mesh, pl[i]) for i, x in enumerate(leaves)]
+    return [mine[i] if i in mine else absent(x.shape, dtype(x), ctx.mesh, pl[i]) for i, x in enumerate(leaves)]
 
 
 class _CarryPlacements(NamedTuple):
@@ -141,14 +140,14 @@ class _CarryPlacements(NamedTuple):
                 for n, x in zip(names, tree.leaves(carry))]
 
 
-def _in_stage(step: TrainStep, compiled: bool) -> Stages:
+def _in_stage(ctx: GradContext) -> Stages:
     """The stage functions run with this layout's rules on the stage mesh (``constrain`` resolves there); the
-    blocks compiled where ``compiled``."""
-    stages = step.compiled.loss_fn if compiled else step.loss_fn
+    blocks compiled where ``ctx.loss_fn`` is the compiled one."""
+    stages = ctx.loss_fn
 
     def scoped(f):
         def call(*args):
-            with use(step.mesh, step.layout), dtensor_errors():
+            with use(ctx.mesh, ctx.layout), dtensor_errors():
                 return f(*args)
         return call
 

@@ -28,7 +28,8 @@ def train_state(layout=None, mesh=None, steps=0):
         assert steps == 0
         return {"params": params, "opt_state": OPT.init(params), "data": {"position": 0}}, None
     params = shardings.init(gpt.init, key, CFG, axes=gpt.axes(CFG), layout=layout, mesh=mesh)
-    step_fn = shardings.train_step(gpt.stages(CFG), OPT, layout=layout, mesh=mesh, microbatches=2)
+    plan = shardings.pipeline.plan_for(layout, mesh, params, microbatches=2)  # None without pp
+    step_fn = shardings.train_step(gpt.stages(CFG), OPT, layout=layout, mesh=mesh, plan=plan, accum_steps=2)
     opt_state = step_fn.init(params)
     for i in range(steps):
         params, opt_state, _ = step_fn(params, opt_state, BATCHES[i])

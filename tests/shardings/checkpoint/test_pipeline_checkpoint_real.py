@@ -16,9 +16,9 @@ def _save_and_reload(root: str) -> dict:
     mesh = Mesh(pp=4)
     make = lambda: shardings.init(models.gpt.init, core.random.key(0), CFG, axes=models.gpt.axes(CFG),
                                   layout="pp", mesh=mesh)
-    step = shardings.train_step(models.gpt.stages(CFG), core.optim.adamw(1e-2), layout="pp", mesh=mesh,
-                                microbatches=4)
     params = make()
+    step = shardings.train_step(models.gpt.stages(CFG), core.optim.adamw(1e-2), layout="pp", mesh=mesh,
+                                plan=shardings.pipeline.plan("pp", mesh, params, microbatches=4))
     state = step.init(params)
     params, state, _ = step(params, state, models.gpt.example_batch(CFG, 8))
     checkpoint.save(root, {"params": params, "opt_state": state}, step=1)

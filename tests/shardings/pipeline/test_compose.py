@@ -43,7 +43,7 @@ def _comm(layout, mesh, microbatches):
         params = shardings.init(models.gpt.init, core.random.key(0), GPT, axes=models.gpt.axes(GPT), layout=layout,
                                 mesh=mesh)
         step = shardings.train_step(models.gpt.stages(GPT), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
-                                    microbatches=microbatches)
+                                    plan=shardings.pipeline.plan(layout, mesh, params, microbatches=microbatches))
         metrics = step(params, step.init(params), batch)[2]
     return {r["kind"]: (r["count"], r["bytes"]) for r in metrics["comm"] if r["axis"] == "dp"}
 

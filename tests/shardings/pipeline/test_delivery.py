@@ -81,7 +81,7 @@ def _most_in_flight(name: str, m: int) -> int:
         params = shardings.init(models.gpt.init, core.random.key(0), GPT, axes=models.gpt.axes(GPT),
                                 layout="pp", mesh=mesh, schedule=name)
         step = shardings.train_step(models.gpt.stages(GPT), core.optim.sgd(0.1), layout="pp", mesh=mesh,
-                                    microbatches=m, schedule=name)
+                                    plan=shardings.pipeline.plan("pp", mesh, params, microbatches=m, schedule=name))
         step(params, step.init(params), models.gpt.example_batch(GPT, m))
     finally:
         Wire.send = send

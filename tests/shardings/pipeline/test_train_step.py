@@ -53,8 +53,9 @@ def test_metrics_count_p2p_per_rank_and_report_the_pipeline():
     with shardings.simulate(4):
         params = shardings.init(models.gpt.init, core.random.key(0), GPT, axes=models.gpt.axes(GPT),
                                 layout="dp+pp", mesh=mesh)
+        plan = shardings.pipeline.plan("dp+pp", mesh, params, microbatches=m, schedule="gpipe")
         step = shardings.train_step(models.gpt.stages(GPT), core.optim.adamw(1e-3), layout="dp+pp", mesh=mesh,
-                                    microbatches=m, schedule="gpipe")
+                                    plan=plan)
         _, _, metrics = step(params, step.init(params), batch)
     one = 8 // (m * 2) * GPT.seq_len * GPT.dim * 4  # a dp rank's microbatch rows · s · h, float32
     assert {"kind": "send", "axis": "pp", "count": 2 * m, "bytes": 2 * m * one} in metrics["comm"]
@@ -81,12 +82,16 @@ def test_bad_input_is_refused_before_any_work(user_preset):
         with pytest.raises(ShardingError, match="does not compose with \\['mlp_tp'\\]"):
             shardings.train_step(models.gpt.stages(GPT), core.optim.sgd(0.1), layout="mlp_tp+pp",
                                  mesh=Mesh(pp=2, tp=1))
-        step = shardings.train_step(models.gpt.stages(GPT), core.optim.sgd(0.1), layout="pp", mesh=mesh,
-                                    stage_sizes=[3, 0])
+        with pytest.raises(TypeError, match=r"needs the run's pipeline plan.*Fix: pass plan=shardings\.pipeline"):
+            shardings.train_step(models.gpt.stages(GPT), core.optim.sgd(0.1), layout="pp", mesh=mesh)
+        for gone in ("schedule", "microbatches", "stage_sizes", "virtual_stages"):
+            with pytest.raises(TypeError, match=rf"train_step\({gone}=\.\.\.\) is gone: pass plan=shardings\.pipeline"):
+                shardings.train_step(models.gpt.stages(GPT), core.optim.sgd(0.1), layout="pp", mesh=mesh,
+                                     **{gone: 2})
         with pytest.raises(ValueError, match="sizes"):
-            step.init(params)
+            shardings.pipeline.plan("pp", mesh, params, stage_sizes=[3, 0])
         step = shardings.train_step(models.gpt.stages(GPT), core.optim.sgd(0.1), layout="pp", mesh=mesh,
-                                    microbatches=3)
+                                    plan=shardings.pipeline.plan("pp", mesh, params, microbatches=3))
         with pytest.raises(ShardingError, match="not divisible"):
             step(params, step.init(params), models.gpt.example_batch(GPT, 8))
     one_layer = models.gpt.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, seq_len=8, mlp=64)
@@ -96,7 +101,6 @@ def test_bad_input_is_refused_before_any_work(user_preset):
                            layout="pp", mesh=mesh)
         params = shardings.init(models.gpt.init, core.random.key(0), GPT, axes=models.gpt.axes(GPT), layout="pp",
                                 mesh=mesh)
-        step = shardings.train_step(models.gpt.stages(one_layer), core.optim.sgd(0.1), layout="pp", mesh=mesh)
-        with pytest.raises(ValueError, match="1 blocks cannot fill 2 stages"):  # the step's plan, from these params
-            step.init({**params, "blocks": params["blocks"][:1]})
+        with pytest.raises(ValueError, match="1 blocks cannot fill 2 stages"):  # the run's plan, from these params
+            shardings.pipeline.plan("pp", mesh, {**params, "blocks": params["blocks"][:1]})
     assert torch.is_tensor(params["embed"])

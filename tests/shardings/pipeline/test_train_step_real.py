@@ -36,7 +36,7 @@ def _grad_norms(cfg, batch) -> list[float]:
     params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg), layout="dp+pp",
                             mesh=mesh)
     step = shardings.train_step(models.gpt.stages(cfg), core.optim.adamw(1e-3), layout="dp+pp", mesh=mesh,
-                                microbatches=2, clip_norm=0.5)
+                                plan=shardings.pipeline.plan("dp+pp", mesh, params, microbatches=2), clip_norm=0.5)
     return [step(params, step.init(params), batch)[2]["grad_norm"]]
 
 
@@ -53,7 +53,7 @@ def _held(cfg, batch) -> dict:
     params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg), layout="pp",
                             mesh=mesh)
     step = shardings.train_step(models.gpt.stages(cfg), core.optim.adamw(1e-3), layout="pp", mesh=mesh,
-                                microbatches=4)
+                                plan=shardings.pipeline.plan("pp", mesh, params, microbatches=4))
     state = step.init(params)
     params, state, metrics = step(params, state, batch)
     held = [path for path, x in core.tree.leaves_with_path(params) if not ownership.is_absent(x)]

@@ -47,8 +47,9 @@ def _simulated(cand: Candidate) -> dict:
         params = shardings.init(models.gpt.init, core.random.key(0), cfg, axes=models.gpt.axes(cfg), layout=layout,
                                 mesh=mesh, **kw)
         loss = models.gpt.stages(cfg) if layout.pipelined else functools.partial(models.gpt.loss, cfg=cfg)
+        pipe = shardings.pipeline.plan_for(layout, mesh, params, microbatches=cand.microbatches, **kw)
         step = shardings.train_step(loss, core.optim.adamw(1e-3), layout=layout, mesh=mesh,
-                                    precision=_POLICY[cand.precision], microbatches=cand.microbatches, **kw)
+                                    precision=_POLICY[cand.precision], accum_steps=cand.microbatches, plan=pipe)
         _, _, metrics = step(params, step.init(params), batch)
     return {(r["kind"], r["axis"]): r["bytes"] for r in metrics["comm"]}
 

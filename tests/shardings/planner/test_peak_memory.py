@@ -70,10 +70,10 @@ def _peaks(cands: list[Candidate]) -> list[int]:
                                 layout=cand.layout, mesh=mesh, **stages)
         policy = POLICIES[cand.precision]
         loss = models.gpt.stages(cfg) if cand.pipelined else functools.partial(models.gpt.loss, cfg=cfg)
-        batching = (dict(microbatches=cand.microbatches, **stages) if cand.pipelined
-                    else dict(accum_steps=cand.microbatches))
+        pipe = shardings.pipeline.plan_for(cand.layout, mesh, params, microbatches=cand.microbatches, **stages)
         step = shardings.train_step(loss, core.optim.adamw(1e-3), layout=cand.layout, mesh=mesh, count_comms=False,
-                                    donate=True, scalar_metrics=False, precision=policy and policy(), **batching)
+                                    donate=True, scalar_metrics=False, precision=policy and policy(), plan=pipe,
+                                    accum_steps=cand.microbatches)
         state = step.init(params)
         params = step.stored(params)
         batch = models.gpt.example_batch(cfg, ROWS)
