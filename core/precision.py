@@ -15,13 +15,14 @@ optimizer state unchanged) and halves the scale, and ``growth_interval`` clean s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from core import tree
 
-__all__ = ["DynamicLossScale", "LossScaleState", "Policy"]
+__all__ = ["NAMED", "DynamicLossScale", "LossScaleState", "Policy", "name_of", "named"]
 
 PyTree = tree.PyTree
 
@@ -214,6 +215,36 @@ class Policy:
     def cast_to_reduce(self, x: PyTree) -> PyTree:
         """Cast the floating leaves of ``x`` to ``reduce_dtype``."""
         return _cast(x, self.reduce_dtype)
+
+
+# The named policies, one table for every place that names one (experiments' ``precision`` group, the planner's
+# precisions, the benches): ``None`` is no policy, float32 throughout (the reference).
+NAMED: dict[str, Callable[[], Policy] | None] = {"fp32": None, "bf16": Policy.bf16_mixed, "fp16": Policy.fp16_mixed}
+
+
+def named(name: str) -> Policy | None:
+    """The policy named ``name`` in :data:`NAMED` (``None`` for ``"fp32"``).
+
+    Raises:
+        ValueError: an unknown name.
+
+    >>> named("bf16") == Policy.bf16_mixed()
+    True
+    """
+    if name not in NAMED:
+        raise ValueError(f"unknown precision {name!r}. Fix: use one of {sorted(NAMED)}.")
+    make = NAMED[name]
+    return make() if make is not None else None
+
+
+def name_of(compute: str | torch.dtype) -> str:
+    """The :data:`NAMED` policy that computes in ``compute`` (a dtype or its name); ``"fp32"`` for any other.
+
+    >>> name_of("bfloat16"), name_of(torch.float32)
+    ('bf16', 'fp32')
+    """
+    dtype = _DTYPES.get(compute.strip().lower()) if isinstance(compute, str) else compute
+    return next((n for n, make in NAMED.items() if make is not None and make().compute_dtype == dtype), "fp32")
 
 
 def _parse_dtype(name: str, text: str) -> torch.dtype:

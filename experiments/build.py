@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import core
 import models
 from core import deferred, tree
-from shardings import Mesh, layouts, logical_to_spec, param_specs, pipeline
+from shardings import Mesh, check_batch_rows, layouts, logical_to_spec, param_specs, pipeline
 
 __all__ = ["ConfigError", "Setup", "build", "loss", "model", "optimizer", "pretrained"]
 
@@ -165,9 +165,8 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     plan = _pipeline_plan(module, model_cfg, layout, mesh, shapes, cfg.get("pipeline") or {}, accum)
     micro = plan.microbatches if plan is not None else accum
     dp = mesh.axis_size(batch.dim_axes()[0])
-    _divisible("batch size", batch_size, dp * micro, "data.batch_size",
-               f"{dp} data-parallel ranks × {micro} pipeline microbatches" if plan is not None else
-               f"{dp} data-parallel ranks × {accum} accumulation steps")
+    check_batch_rows(batch_size, dp, micro, per="pipeline microbatches" if plan is not None else
+                     "accumulation steps", setting="data.batch_size", cls=ConfigError)
     _divisible("seq_len", seq_len, mesh.axis_size(acts.dim_axes()[1]), "data.seq_len",
                f"layout {layout.name!r} splits the sequence over {acts.dim_axes()[1]}")
     return Setup(module, model_cfg, layout, mesh, seq_len, micro, plan, precision, cfg)

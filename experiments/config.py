@@ -43,6 +43,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, open_dict
 
+import core
 import models
 
 __all__ = [
@@ -243,10 +244,12 @@ MESHES: dict[str, dict[str, int]] = {
 _DATA = {"stdlib": DataConf(), "random": DataConf(source="random")}
 _OPTIM = {"adamw": OptimConf(), "sgd": OptimConf(name="sgd", lr=0.1, weight_decay=0.0)}
 _RUNTIMES = {k: RuntimeConf(kind=k) for k in ("simulate", "multiprocess", "torchrun")}
+# core.precision.NAMED as configs: fp32 no policy (the reference, what `make train` runs); bf16 FSDP2's
+# MixedPrecisionPolicy(bf16, fp32); fp16 DeepSpeed's fp16 with loss_scale 0 (dynamic)
 PRECISIONS: dict[str, PrecisionConf] = {
-    "fp32": PrecisionConf(),  # no policy: the reference, what `make train` runs
-    "bf16": PrecisionConf(compute="bfloat16"),  # Policy.bf16_mixed(): FSDP2's MixedPrecisionPolicy(bf16, fp32)
-    "fp16": PrecisionConf(compute="float16"),  # Policy.fp16_mixed(): DeepSpeed's fp16 with loss_scale 0 (dynamic)
+    name: PrecisionConf() if make is None else PrecisionConf(*(str(d).removeprefix("torch.") for d in (
+        make().param_dtype, make().compute_dtype, make().reduce_dtype)))
+    for name, make in core.precision.NAMED.items()
 }
 OFFLOADS: dict[str, OffloadConf] = {
     "none": OffloadConf(),

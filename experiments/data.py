@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardings import Mesh, P, from_callback, layouts, logical_to_spec, sharding_error
+from shardings import Mesh, P, check_batch_rows, from_callback, layouts, logical_to_spec
 
 __all__ = ["DataState", "Packed", "batch_spec", "load_corpus", "read_files", "stdlib_files"]
 
@@ -143,13 +143,8 @@ class Packed:
         block of ``dist.get_rank()``. Either way a rank materializes only its own rows.
         """
         spec = batch_spec(layout, mesh)
-        if self.batch_size % mesh.axis_size(spec.dim_axes()[0]):
-            raise sharding_error(
-                f"data.batch_size={self.batch_size} is not divisible by the {mesh.axis_size(spec.dim_axes()[0])} "
-                "data-parallel ranks of the batch spec",
-                fix="use a global batch size that is a multiple of the data-parallel ranks",
-                spec=spec, mesh=mesh,
-            )
+        check_batch_rows(self.batch_size, mesh.axis_size(spec.dim_axes()[0]), setting="data.batch_size",
+                         spec=spec, mesh=mesh)
 
         def part(key: str) -> DTensor:  # one block per (simulated) rank
             return from_callback((self.batch_size, self.seq_len), spec, mesh, lambda rows: self.block(state, rows)[key])

@@ -31,6 +31,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
+import core
 import shardings
 from experiments.build import ConfigError, model
 from experiments.config import ModelConf, register
@@ -101,7 +102,7 @@ def candidate(cfg: Any) -> Candidate:
         raise ConfigError(f"layout={cfg.layout!r}: {e}") from None
     sizes = parse_mesh(cfg.mesh)
     if layout.pipelined:
-        m = cfg.microbatches if cfg.microbatches > 1 else sizes.get("pp", 1)
+        m = shardings.pipeline.default_microbatches(sizes.get("pp", 1), cfg.microbatches)
         return Candidate(layout.name, tuple(sizes.items()), m, cfg.schedule or shardings.pipeline.DEFAULT_SCHEDULE,
                          None, cfg.remat, cfg.precision)
     return Candidate(layout.name, tuple(sizes.items()), cfg.microbatches, None, None, cfg.remat, cfg.precision)
@@ -129,9 +130,6 @@ def run(cfg: Any) -> str:
     return ranking.table(cfg.top_k)
 
 
-_PRECISION_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
 def auto(cfg: Any) -> Any:
     """``layout=auto`` in a composed ``train`` config: plan the configured model, batch and world size on this
     machine's cluster (``cluster/this.yaml``, one node of that many ranks), print the table, and return a copy of
@@ -144,7 +142,7 @@ def auto(cfg: Any) -> Any:
     cluster = dataclasses.replace(load_cluster("this"), nodes=1, per_node=world)
     data = cfg.get("data")
     seq = (data.seq_len if data is not None else None) or model_cfg.seq_len
-    precision = _PRECISION_NAMES.get(str((cfg.get("precision") or {}).get("compute", "float32")), "fp32")
+    precision = core.precision.name_of(str((cfg.get("precision") or {}).get("compute", "float32")))
     space = Space(precisions=(precision,), remat=(model_cfg.remat,), offload=False)
     ranking = shardings.plan(module, model_cfg, (data.batch_size, seq), cluster, space=space, top_k=5, budget_s=20)
     print(ranking.table(5))

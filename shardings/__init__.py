@@ -41,13 +41,15 @@ from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh, NamedSharding, P
 from shardings.spec.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.spec.visualize import visualize
-from shardings.step.compiled import CompileFallbackWarning
+from shardings.step.batching import check_batch_rows
+from shardings.step.compiled import DEFAULT_JIT_BACKEND, CompileFallbackWarning
 from shardings.step.finite import NonFiniteGradError
 from shardings.step.initialize import init, param_specs
 from shardings.step.layout_view import describe as describe_layout
 from shardings.step.train_step import TrainStep, default_token_count, train_step
 
 __all__ = [
+    "DEFAULT_JIT_BACKEND",
     "Comms",
     "CompileFallbackWarning",
     "LaunchError",
@@ -67,6 +69,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "blockwise",
+    "check_batch_rows",
     "checkpoint",
     "comms",
     "constrain",

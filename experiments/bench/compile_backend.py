@@ -10,12 +10,11 @@ speed claim, and the output says so (:func:`caveat`).
 from __future__ import annotations
 
 import argparse
-import inspect
 
 import shardings
 
 # train_step's own default: the benches measure what train_step(jit=True) runs when not told otherwise.
-DEFAULT: str = inspect.signature(shardings.train_step).parameters["jit_backend"].default
+DEFAULT: str = shardings.DEFAULT_JIT_BACKEND
 CHOICES = ("inductor", "aot_eager")
 
 

@@ -14,7 +14,7 @@ May import: ``spec``, ``runtime``, ``comm``, ``residency``, ``ops``.
 from shardings.pipeline.check import check
 from shardings.pipeline.execute import Result, SavedActivations, Timed, run
 from shardings.pipeline.interleaved import interleaved_1f1b
-from shardings.pipeline.plan import Plan, plan, plan_for
+from shardings.pipeline.plan import Plan, default_microbatches, plan, plan_for
 from shardings.pipeline.schedule import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
@@ -48,6 +48,7 @@ __all__ = [
     "Timed",
     "build",
     "check",
+    "default_microbatches",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",

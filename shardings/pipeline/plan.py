@@ -24,7 +24,7 @@ from shardings.spec.errors import sharding_error
 from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 
-__all__ = ["Plan", "plan", "plan_for"]
+__all__ = ["Plan", "default_microbatches", "plan", "plan_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,16 @@ class Plan:
         return f"{self.split}\n{self.schedule.table()}"
 
 
+def default_microbatches(pp: int, accum_steps: int = 1, microbatches: int | None = None) -> int:
+    """A pipelined run's microbatches per step: ``microbatches`` when given, else ``accum_steps`` when > 1, else one
+    per pipeline rank (the fewest that keep every rank busy once). The one home of that default.
+
+    >>> default_microbatches(4), default_microbatches(4, accum_steps=8), default_microbatches(4, 8, 2)
+    (4, 8, 2)
+    """
+    return microbatches if microbatches is not None else accum_steps if accum_steps > 1 else pp
+
+
 def _schedule(name_or_schedule: str | Schedule | None, pp: int, microbatches: int | None, accum_steps: int,
               virtual_stages: int | None) -> Schedule:
     """The schedule, built or checked against the mesh and the microbatches asked for.
@@ -82,7 +92,8 @@ def _schedule(name_or_schedule: str | Schedule | None, pp: int, microbatches: in
     """
     asked = microbatches if microbatches is not None else accum_steps if accum_steps > 1 else None
     if not isinstance(name_or_schedule, Schedule):
-        return build(name_or_schedule, pp, pp if asked is None else asked, virtual_stages=virtual_stages)
+        return build(name_or_schedule, pp, default_microbatches(pp, accum_steps, microbatches),
+                     virtual_stages=virtual_stages)
     schedule = name_or_schedule
     if schedule.pp != pp or asked not in (None, schedule.microbatches):
         raise sharding_error(f"schedule {schedule.name!r} is for {schedule.pp} ranks and {schedule.microbatches} "

@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import core
 from shardings.pipeline import SCHEDULES
 from shardings.pipeline.schedule import VIRTUAL_STAGES, stages_per_rank
 from shardings.spec import layouts
@@ -27,7 +28,7 @@ __all__ = ["AXIS_ORDER", "PRECISIONS", "Candidate", "Space", "compositions", "en
            "mesh_text"]
 
 AXIS_ORDER = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # major to minor: tp innermost (one node), pp outermost
-PRECISIONS = ("fp32", "bf16", "fp16")  # core.precision.Policy names (experiments' precision group)
+PRECISIONS = tuple(core.precision.NAMED)  # core.precision's named policies (experiments' precision group)
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+import core
+from shardings.comm.buckets import DEFAULT_BUCKET_MB
 from shardings.pipeline import build
 from shardings.planner import model_state
 from shardings.planner.candidates import Candidate, layout_of
@@ -34,8 +36,8 @@ from shardings.spec import layouts
 __all__ = ["DTYPES", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts", "pipeline_sends",
            "stage_blocks"]
 
-DTYPES = {"fp32": (None, None), "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
-_BUCKET = 25 * 2**20  # bytes per bucketed collective (shardings.comm.buckets.DEFAULT_BUCKET_MB)
+DTYPES = {n: (m().compute_dtype, m().reduce_dtype) if m else (None, None) for n, m in core.precision.NAMED.items()}
+_BUCKET = int(DEFAULT_BUCKET_MB * 2**20)  # bytes per bucketed collective
 _RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
 

@@ -45,7 +45,7 @@ from shardings.planner.prediction import Prediction, Work
 
 __all__ = ["exact", "first_step_seconds", "pipeline_sends", "work_units"]
 
-_POLICIES = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed, "fp16": core.precision.Policy.fp16_mixed}
+_POLICIES = core.precision.NAMED  # the named policies' one table
 
 
 def _policy(name: str) -> Any:

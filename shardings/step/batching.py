@@ -11,11 +11,11 @@ from core import tree
 from shardings.runtime.simulate import per_rank
 from shardings.spec import lower
 from shardings.spec.distribute import shard
-from shardings.spec.errors import sharding_error
+from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.mesh import Mesh
 from shardings.spec.rules import logical_to_spec
 
-__all__ = ["default_token_count", "place", "split"]
+__all__ = ["check_batch_rows", "default_token_count", "place", "split"]
 
 
 def default_token_count(batch: Any, ignore_index: int = -100) -> torch.Tensor:
@@ -24,6 +24,32 @@ def default_token_count(batch: Any, ignore_index: int = -100) -> torch.Tensor:
         return (batch["labels"] != ignore_index).sum()
     first = tree.leaves(batch)[0]
     return torch.ones((), dtype=torch.int64) * first.shape[0]
+
+
+def check_batch_rows(rows: int, data_ranks: int, microbatches: int = 1, *, per: str = "accumulation steps",
+                     setting: str = "the global batch size", cls: type[Exception] = ShardingError,
+                     **where: Any) -> None:
+    """The one check that a global batch splits evenly: ``rows`` a positive multiple of data-parallel ranks ×
+    microbatches. ``experiments.build`` (the config), ``experiments.data`` (the sharded batch) and :func:`place`
+    (the step) all call it.
+
+    Args:
+        rows: the global batch size.
+        data_ranks: the ranks the batch dim is split over.
+        microbatches: each rank's rows are split this many ways (accumulation, or the pipeline's microbatches).
+        per: what the microbatches are, for the message.
+        setting: what the user sets, for the fix.
+        cls: the error class (``experiments``: its ``ConfigError``).
+        **where: ``path``/``spec``/``mesh``/``shape`` for :func:`~shardings.spec.errors.sharding_error`.
+
+    Raises:
+        ShardingError: (or ``cls``) the rows do not split evenly.
+    """
+    parts = data_ranks * microbatches
+    if rows < 1 or rows % parts:
+        why = f"{data_ranks} data-parallel ranks" + (f" × {microbatches} {per}" if microbatches > 1 else "")
+        raise sharding_error(f"batch size={rows} is not divisible by {parts} ({why})",
+                             fix=f"set {setting} to a multiple of {parts}", cls=cls, **where)
 
 
 def place(batch: Any, layout: Any, mesh: Mesh, accum_steps: int) -> Any:
@@ -38,14 +64,8 @@ def place(batch: Any, layout: Any, mesh: Mesh, accum_steps: int) -> Any:
     def place(path, x):
         names = ("batch", "seq", *([None] * (x.ndim - 2)))[: x.ndim]
         spec = logical_to_spec(names, rules, mesh, path=path)
-        if x.ndim == 0 or x.shape[0] % (mesh.axis_size(spec.dim_axes()[0]) * accum_steps):
-            raise sharding_error(
-                f"batch size {x.shape[0] if x.ndim else 0} is not divisible by "
-                f"{mesh.axis_size(spec.dim_axes()[0] if x.ndim else None)} data-parallel ranks × "
-                f"{accum_steps} accumulation steps",
-                fix="use a global batch size that is a multiple of data-parallel ranks × accum_steps",
-                path=path, spec=spec, shape=x.shape, mesh=mesh,
-            )
+        check_batch_rows(x.shape[0] if x.ndim else 0, mesh.axis_size(spec.dim_axes()[0] if x.ndim else None),
+                         accum_steps, path=path, spec=spec, shape=x.shape, mesh=mesh)
         if isinstance(x, DTensor):
             return x.redistribute(mesh.device_mesh, lower.to_placements(spec, mesh, x.ndim))
         ranks = per_rank(x)

@@ -20,7 +20,7 @@ from shardings.planner.search import _profiles
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, mlp=64, seq_len=16)
 ROWS = 8
-_POLICY = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed()}
+_POLICY = {name: core.precision.named(name) for name in ("fp32", "bf16")}
 
 
 def _cluster(world: int) -> Cluster:

@@ -34,7 +34,7 @@ CANDIDATES = [Candidate("zero3", (("dp", 4),)), Candidate("hsdp", (("dp", 2), ("
               # remat under zero bubble: B recomputes the blocks and W needs what the recomputation saved, so a
               # microbatch awaiting W holds it (2.25x 1F1B's remat peak here)
               Candidate("zero1+pp", PIPE, 4, "zb_h1", remat=True)]
-POLICIES = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed}
+POLICIES = core.precision.NAMED
 # the planner's space on 4 ranks, but for offload (its host bytes are a peak of their own: not on the device)
 POOL = enumerate_candidates(4, CFG, ROWS, CFG.seq_len, per_node=4, space=Space(
     precisions=("fp32", "bf16"), remat=(False, True), max_microbatches=4, offload=False))

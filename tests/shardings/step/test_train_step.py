@@ -308,8 +308,9 @@ def test_batch_not_divisible_by_data_ranks_times_accumulation_is_a_clear_error()
         params = shardings.init(gpt.init, core.random.key(0), CFG, axes=gpt.axes(CFG), layout="dp", mesh=mesh)
         step = shardings.train_step(functools.partial(gpt.loss, cfg=CFG), core.optim.sgd(0.1), layout="dp",
                                     mesh=mesh, accum_steps=2)
-        with pytest.raises(ValueError, match=r"\['tokens'\].*batch size 2 is not divisible by 2 data-parallel ranks "
-                                             r"× 2 accumulation steps.*Fix:"):
+        with pytest.raises(ValueError, match=r"\['tokens'\].*batch size=2 is not divisible by 4 \(2 data-parallel "
+                                             r"ranks × 2 accumulation steps\).*Fix: set the global batch size to a "
+                                             r"multiple of 4"):
             step(params, step.init(params), gpt.example_batch(CFG, 2))
 
 
