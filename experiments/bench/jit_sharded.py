@@ -14,10 +14,10 @@ a 1-rank group, gloo on CPU, nccl on CUDA), on the config's weights (``gpt.init(
     ``vs_compiled`` references.
 
 Both sides are built by :mod:`experiments.bench.wrappers`' ``ours_step`` / ``native_step`` (a ``_Pair`` each)
-and timed by :mod:`experiments.bench.jit`'s row machinery (median step after warm-up, graphs, peak memory on
-CUDA, MFU). Every row's step-1 loss must match ``fsdp2``'s by the wrappers bench's rule (fp32: rtol 1e-4; bf16:
-the tolerance rule at bf16). ``--precision`` defaults to bf16 on CUDA (the issue's table) and fp32 on the CPU
-(bf16 matmuls are slow there).
+and timed by :mod:`experiments.bench.rows`, as the single-device rows are (median step after warm-up, graphs,
+peak memory on CUDA, MFU). Every row's step-1 loss must match ``fsdp2``'s by the wrappers bench's rule (fp32:
+rtol 1e-4; bf16: the tolerance rule at bf16). ``--precision`` defaults to bf16 on CUDA (the issue's table) and
+fp32 on the CPU (bf16 matmuls are slow there).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import core
 import models.gpt as gpt
 import shardings
-from experiments.bench import compile_backend, jit, wrappers
+from experiments.bench import compile_backend, rows, wrappers
 
 LAYOUTS = ("zero3", "zero3+tp+sp")  # the layouts --sharded takes (their 1-rank meshes below)
 
@@ -40,7 +40,7 @@ def _mesh(layout: str) -> dict[str, int]:
 
 
 def _build(make: Any, pair: wrappers._Pair, cfg: gpt.Config, batch: dict) -> Any:
-    """``jit._measure``'s ``build``: a wrappers step (state held inside) as ``step(a, b, batch) -> (a, b, loss)``."""
+    """``rows._measure``'s ``build``: a wrappers step (state held inside) as ``step(a, b, batch) -> (a, b, loss)``."""
 
     def build() -> tuple[Any, list]:
         step = make(pair, cfg, batch, [0, 0])
@@ -67,7 +67,7 @@ def _worker(config: str, model_kw: dict, batch_size: int, layouts: list[str], de
     if compile:
         pairs["fsdp2/compiled_blocks"] = (wrappers.native_step, fsdp2._replace(jit=True))
     plan = {name: (_build(make, pair, cfg, batch), contextlib.nullcontext) for name, (make, pair) in pairs.items()}
-    results = jit.run_plan(plan, batch, steps, warmup, device, rounds)
+    results = rows.run_plan(plan, batch, steps, warmup, device, rounds)
     ref = results["fsdp2"]["loss"]
     for name, r in results.items():
         if not wrappers.same_loss(fsdp2, r["loss"], ref):
@@ -77,7 +77,7 @@ def _worker(config: str, model_kw: dict, batch_size: int, layouts: list[str], de
             )
     eager = tuple(n for n in results if not n.endswith(("/jit", "/compiled_blocks")))
     params = gpt.init(core.random.key(0), cfg)
-    return jit.table(results, config, device, cfg, params, batch_size * cfg.seq_len, peak_tflops, steps, rounds,
+    return rows.table(results, config, device, cfg, params, batch_size * cfg.seq_len, peak_tflops, steps, rounds,
                      eager=eager, jit_backend=jit_backend, native="fsdp2", compiled="fsdp2/compiled_blocks")
 
 
@@ -92,6 +92,6 @@ def run(config: str, layouts: list[str], device: str, steps: int, warmup: int, p
     """
     bf16 = (precision or ("bf16" if device == "cuda" else "fp32")) == "bf16"
     backend = "nccl" if device == "cuda" else "gloo"
-    args = (config, *jit.CONFIGS[config], layouts, device, steps, warmup, peak_tflops, bf16, compile, rounds, threads,
+    args = (config, *rows.CONFIGS[config], layouts, device, steps, warmup, peak_tflops, bf16, compile, rounds, threads,
             jit_backend)
     return shardings.launch(_worker, 1, *args, backend=backend)[0]

@@ -17,6 +17,7 @@ import shardings
 from core import optim
 from experiments.bench import jit as bench_jit
 from experiments.bench import jit_sharded as bench_jit_sharded
+from experiments.bench import rows
 from shardings.testing import assert_close
 
 CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, mlp=64, seq_len=16)
@@ -66,7 +67,7 @@ def test_whole_step_tracing_refuses_an_active_mesh():
     assert not hasattr(shardings.current, "_dynamo_marked_constant")
 
 
-MICRO = bench_jit._Config(dict(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=16), 4)
+MICRO = rows._Config(dict(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=16), 4)
 
 
 def _check_rows(rows, names):

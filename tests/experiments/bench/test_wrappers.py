@@ -1,6 +1,8 @@
 """experiments.bench.wrappers --quick: each side on 4 gloo ranks computes the same loss; comm bytes are measured."""
 
 import csv
+import runpy
+import sys
 
 import pytest
 import torch
@@ -113,3 +115,11 @@ def test_the_cli_compiles_both_sides_with_inductor_unless_told(monkeypatch):
             bench.main(["--quick", "--jit", *told])
     assert seen == ["inductor", "aot_eager"]
     assert bench.spec("zero3/jit").jit_backend == "inductor"
+
+
+def test_python_m_the_package_runs_the_wrappers_bench(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "main", lambda: calls.append(sys.argv[1:]))
+    monkeypatch.setattr(sys, "argv", ["-m", "--quick"])
+    runpy.run_module("experiments.bench", run_name="__main__", alter_sys=True)
+    assert calls == [["--quick"]]

@@ -12,7 +12,7 @@ import models.moe as moe
 import shardings
 from core import tree
 from shardings import Mesh
-from tests.shardings.step.test_layout_coverage import DP2_EP2, MOE_2  # the coverage cases' model and mesh
+from tests.shardings.step.layout_cases import DP2_EP2, MOE_2  # the coverage cases' model and mesh
 
 
 def _moe_sizes(cfg):

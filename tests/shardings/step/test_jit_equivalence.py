@@ -25,7 +25,7 @@ from shardings import Mesh
 from shardings.step.compiled import DTENSOR_PRESETS
 from shardings.testing import Report, check_equivalences
 from shardings.testing.equivalence import raise_if_failed
-from tests.shardings.step.test_layout_coverage import CLIP, GPT_2, MOE, OPTIMIZERS, Case, case, cases, terms
+from tests.shardings.step.layout_cases import CLIP, GPT_2, MOE, OPTIMIZERS, Case, case, cases, terms
 
 pytestmark = pytest.mark.multiprocess
 

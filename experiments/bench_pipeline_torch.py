@@ -1,5 +1,0 @@
-"""Deprecated alias of :mod:`experiments.bench.pipeline_torch` for one release (see experiments/bench/old_names.py)."""
-
-from experiments.bench.old_names import forward
-
-forward(__spec__.name, run=__name__ == "__main__")
