@@ -6,35 +6,19 @@ Checked on the source (every ``import``/``from ... import``, function-level ones
 cannot slip past.
 """
 
-import ast
 import sys
 from pathlib import Path
 
 import shardings
+from tests.source_imports import imports
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def imports(path: Path, root: Path | None = None) -> set[str]:
-    """Every module name ``path`` imports (absolute; relative imports resolved against its package)."""
-    package = ".".join(path.relative_to(root or ROOT).with_suffix("").parts[:-1])
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join([*parts[: len(parts) - node.level + 1], *([base] if base else [])])
-            found |= {base} | {f"{base}.{a.name}" for a in node.names}
-    return found
 
 
 def offending(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
     bad = {}
     for path in sorted((ROOT / package).rglob("*.py")):
-        hits = sorted(m for m in imports(path) if any(m == f or m.startswith(f + ".") for f in forbidden))
+        hits = sorted(m for m in imports(path, ROOT) if any(m == f or m.startswith(f + ".") for f in forbidden))
         if hits:
             bad[str(path.relative_to(ROOT))] = hits
     return bad
@@ -170,7 +154,7 @@ PRIVATE_TORCH_EXEMPT = {
     "core/tree.py": "core is below shardings",
     # a benchmark of torch.compile reads the compiler's own graph-break and recompile counters, which no public
     # torch API exposes; it measures torch, not shardlab, so it does not go through shardlab's compat layer
-    "experiments/bench/jit.py": "torch._dynamo.utils.counters",
+    "experiments/bench/rows.py": "torch._dynamo.utils.counters",
 }
 
 
@@ -210,3 +194,14 @@ def test_tests_mirror_the_shardings_subpackages():
     folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__")
     loose = sorted(p.name for p in tests.glob("*.py") if p.name != "__init__.py")
     assert folders == sorted(LAYERS) and loose == []
+
+
+def test_files_import_cases_not_other_test_files():
+    """Shared cases live in a module of cases (``tests/shardings/step/layout_cases.py``, ...), not in a test file."""
+    bad = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        hits = sorted(m for m in imports(path, ROOT) if m.startswith("tests.") and any(
+            part.startswith("test_") for part in m.split(".")[1:]))
+        if hits:
+            bad[path.relative_to(ROOT).as_posix()] = hits
+    assert bad == {}

@@ -19,7 +19,7 @@ import models
 import shardings
 from shardings import Mesh
 from shardings.runtime import compat
-from tests.test_architecture import imports
+from tests.source_imports import imports
 
 ROOT = Path(__file__).resolve().parents[1]
 WANTED = [f"{module}.{name}" for module, names in compat._WANTED.items() for name in names]
@@ -81,7 +81,7 @@ import json
 import torch, torch.distributed as dist
 import experiments.train, models, shardings  # the imports that failed on torch 2.11
 from shardings.runtime import compat
-from tests.test_architecture import imports
+from tests.source_imports import imports
 out = {"has_simulation": compat.HAS_SIMULATION, "missing": compat.MISSING,
        "is_local_tensor": isinstance(torch.ones(1), compat.LocalTensor),
        "mode": repr(compat.enabled_local_tensor_mode())}

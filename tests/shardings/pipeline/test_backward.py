@@ -11,15 +11,10 @@ from torch.utils import _pytree as pytree
 
 from shardings import pipeline
 from shardings.pipeline.backward import backward_input, backward_weight
-from shardings.pipeline.schedule import Action, Schedule
-from tests.shardings.pipeline.test_execute import MODELS, _microbatches, _setup
-
-
-def split_after_b(schedule: Schedule) -> Schedule:
-    """``schedule`` with a W right after each B: the same work as its whole backwards, split."""
-    ranks = tuple(tuple(x for a in actions for x in ([a, Action("W", a.stage, a.mb)] if a.kind == "B" else [a]))
-                  for actions in schedule.ranks)
-    return dataclasses.replace(schedule, name=schedule.name + "+W", ranks=ranks)
+from shardings.pipeline.schedule import Action
+from tests.shardings.pipeline.cases import MODELS, split_after_b
+from tests.shardings.pipeline.cases import microbatches as _microbatches
+from tests.shardings.pipeline.cases import setup as _setup
 
 
 def _run(schedule, model, layers, m, batch_rows=8):

@@ -15,7 +15,7 @@ from shardings.pipeline.delivery import delivered_by, sends_held
 from shardings.pipeline.execute import _Held
 from shardings.pipeline.schedule import Action, build, one_f_one_b
 from shardings.pipeline.wire import Wire
-from tests.shardings.pipeline.test_schedule import any_schedule
+from tests.shardings.pipeline.cases import any_schedule
 
 GPT = models.gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, seq_len=8, mlp=64)
 

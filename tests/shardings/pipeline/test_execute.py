@@ -10,32 +10,10 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import core
-import models
 import shardings
 from shardings import comms, pipeline
-from shardings.step.train_step import default_token_count
 from shardings.testing import EquivalenceError, check_runs
-
-MODELS = {
-    "gpt": (models.gpt, dict(vocab=64, dim=32, heads=4, kv_heads=2, seq_len=8, mlp=64)),
-    # tied embedding: the first stage's lookup and the last stage's head add up to its gradient
-    "gpt_tied": (models.gpt, dict(vocab=64, dim=32, heads=4, kv_heads=2, seq_len=8, mlp=64, tie_embeddings=True)),
-    "mlp": (models.mlp, dict(vocab=64, dim=32, mlp=64)),
-    "moe": (models.moe, dict(vocab=64, dim=32, heads=4, kv_heads=2, seq_len=8, mlp=32, experts=4, top_k=2)),
-}
-
-
-def _setup(model: str, layers: int, batch_size: int, with_ignored: bool = True):
-    module, kw = MODELS[model]
-    cfg = module.Config(layers=layers, **kw)
-    return module, cfg, module.init(core.random.key(0), cfg), module.example_batch(cfg, batch_size,
-                                                                                    with_ignored=with_ignored)
-
-
-def _microbatches(batch, m):
-    mbs = [pytree.tree_map(lambda x, i=i: x.chunk(m)[i].clone(), batch) for i in range(m)]  # own storage each
-    total = default_token_count(batch)
-    return mbs, [default_token_count(mb) / total for mb in mbs]
+from tests.shardings.pipeline.cases import MODELS, microbatches, setup
 
 
 def _reference_grads(module, cfg, params, batch):
@@ -46,7 +24,7 @@ def _reference_grads(module, cfg, params, batch):
 
 
 def _pipeline_grads(module, cfg, params, batch, schedule, pp, m):
-    mbs, weights = _microbatches(batch, m)
+    mbs, weights = microbatches(batch, m)
     result = pipeline.run(pipeline.build(schedule, pp, m), module.stages(cfg), pipeline.split(params, pp), params,
                           mbs, weights)
     return result.loss, result.grads
@@ -74,7 +52,7 @@ def _pipeline_run(module, cfg, batch, optimizer, steps, schedule, pp, m):
 @example(schedule="1f1b", pp=2, m=4, extra_layers=0, model="gpt_tied")
 def test_adamw_steps_equal_one_device_with_clipping(schedule, pp, m, extra_layers, model):
     """3 AdamW steps with global-norm clipping; microbatches are the accumulation (token-weighted)."""
-    module, cfg, _, batch = _setup(model, pp + extra_layers, 8)
+    module, cfg, _, batch = setup(model, pp + extra_layers, 8)
     optimizer, clip = core.optim.adamw(1e-2), 0.5
     clipped = core.optim.chain(core.optim.clip_by_global_norm(clip), optimizer)
     run = functools.partial(_pipeline_run, module, cfg, batch, clipped, 3, schedule, pp, m)
@@ -84,15 +62,15 @@ def test_adamw_steps_equal_one_device_with_clipping(schedule, pp, m, extra_layer
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_stages_composed_are_the_models_loss(model):
-    module, cfg, params, batch = _setup(model, 3, 4)
+    module, cfg, params, batch = setup(model, 3, 4)
     assert torch.equal(module.stages(cfg).loss(params, batch), module.loss(params, batch, cfg))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 2), (3, 5)])
 def test_p2p_is_m_activations_forward_and_m_gradients_back_per_boundary(schedule, pp, m):
-    module, cfg, params, batch = _setup("gpt", pp, 2 * m)
-    mbs, weights = _microbatches(batch, m)
+    module, cfg, params, batch = setup("gpt", pp, 2 * m)
+    mbs, weights = microbatches(batch, m)
     with shardings.simulate(pp), comms() as c:
         result = pipeline.run(pipeline.build(schedule, pp, m), module.stages(cfg), pipeline.split(params, pp), params,
                               mbs, weights)
@@ -108,8 +86,8 @@ def test_1f1b_holds_pp_microbatches_where_gpipe_holds_all():
     pp = 2
     peaks = {}
     for m in (2, 4, 8):
-        module, cfg, params, batch = _setup("gpt", 2, 2 * m)
-        mbs, weights = _microbatches(batch, m)
+        module, cfg, params, batch = setup("gpt", 2, 2 * m)
+        mbs, weights = microbatches(batch, m)
         for schedule in ("gpipe", "1f1b"):
             result = pipeline.run(pipeline.build(schedule, pp, m), module.stages(cfg), pipeline.split(params, pp),
                                   params, mbs, weights)
@@ -121,12 +99,12 @@ def test_1f1b_holds_pp_microbatches_where_gpipe_holds_all():
 
 
 def test_bad_input_is_refused_before_any_work():
-    module, cfg, params, batch = _setup("gpt", 2, 4)
+    module, cfg, params, batch = setup("gpt", 2, 4)
     with pytest.raises(ValueError, match="2 blocks cannot fill 4 stages"):
         pipeline.split(params, 4)
     with pytest.raises(ValueError, match="sizes"):
         pipeline.split(params, 2, sizes=[2, 0])
-    mbs, weights = _microbatches(batch, 2)
+    mbs, weights = microbatches(batch, 2)
     with pytest.raises(ValueError, match="schedule for 2 stages, m=4"):
         pipeline.run(pipeline.build("gpipe", 2, 4), module.stages(cfg), pipeline.split(params, 2), params, mbs, weights)
     broken = pipeline.build("gpipe", 2, 2)
@@ -136,7 +114,7 @@ def test_bad_input_is_refused_before_any_work():
 
 
 def test_split_balances_cost_and_prints():
-    _, _, params, _ = _setup("gpt", 5, 2)
+    _, _, params, _ = setup("gpt", 5, 2)
     s = pipeline.split(params, 2)
     assert [len(r) for r in s.ranges] in ([3, 2], [2, 3]) and s.ranges[0].start == 0 and s.ranges[-1].stop == 5
     assert str(s).splitlines()[0].startswith("stage 0: blocks 0..")
@@ -146,7 +124,7 @@ def test_split_balances_cost_and_prints():
 
 
 def test_a_one_percent_error_in_one_microbatch_is_caught():
-    module, cfg, _, batch = _setup("gpt", 2, 8)
+    module, cfg, _, batch = setup("gpt", 2, 8)
     real_run = pipeline.run
 
     def planted(schedule, stages, split, params, mbs, weights):

@@ -13,7 +13,8 @@ from shardings.pipeline.check import check
 from shardings.pipeline.interleaved import interleaved_1f1b
 from shardings.pipeline.schedule import ScheduleError, one_f_one_b, timeline
 from shardings.testing import check_runs
-from tests.shardings.pipeline.test_execute import _microbatches, _setup
+from tests.shardings.pipeline.cases import microbatches as _microbatches
+from tests.shardings.pipeline.cases import setup as _setup
 
 
 @given(pp=st.integers(1, 5), groups=st.integers(1, 4), v=st.integers(1, 4))

@@ -4,25 +4,16 @@ the formula; every rank's timeline gathered (the bubble is measured from it). On
 import torch
 from torch.utils import _pytree as pytree
 
-import core
 import models
 from shardings import Mesh, comms, launch, pipeline
-from shardings.step.train_step import default_token_count
+from tests.shardings.pipeline.cases import real_rank_inputs
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=5, heads=4, kv_heads=2, seq_len=8, mlp=64)  # 5 layers, 4 stages
 PP, M = 4, 4
 
 
-def _inputs():
-    params = models.gpt.init(core.random.key(0), CFG)
-    batch = models.gpt.example_batch(CFG, 2 * M, with_ignored=True)
-    mbs = [pytree.tree_map(lambda x, i=i: x.chunk(M)[i].clone(), batch) for i in range(M)]
-    total = default_token_count(batch)
-    return params, mbs, [default_token_count(mb) / total for mb in mbs]
-
-
 def _rank(schedule: str) -> dict:
-    params, mbs, weights = _inputs()
+    params, mbs, weights = real_rank_inputs()
     mesh = Mesh(pp=PP)
     assert mesh.device_mesh is not None
     with comms() as c:
@@ -38,7 +29,7 @@ def _both() -> dict:  # one launch for both schedules (a launch costs seconds)
 
 def test_real_ranks_equal_simulated_bitwise_and_count_their_sends():
     per_rank = launch(_both, PP)
-    params, mbs, weights = _inputs()
+    params, mbs, weights = real_rank_inputs()
     split = pipeline.split(params, PP)
     one = (2 * M // M) * CFG.seq_len * CFG.dim * 4  # b/m · s · h float32
     for name in ("gpipe", "1f1b"):

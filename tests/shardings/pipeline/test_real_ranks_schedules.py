@@ -7,7 +7,7 @@ from torch.utils import _pytree as pytree
 import core
 import models
 from shardings import Mesh, comms, launch, pipeline
-from tests.shardings.pipeline.test_real_ranks import _inputs as _inputs4
+from tests.shardings.pipeline.cases import real_rank_inputs as _inputs4
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, seq_len=8, mlp=64)  # 4 stages of 1 block
 PP, M = 2, 4

@@ -24,26 +24,12 @@ from shardings.pipeline.schedule import (
     stages_per_rank,
     timeline,
 )
-
-_KIND = {"F": "F", "B": "B", "W": "W", "sF": "SEND_F", "rF": "RECV_F", "sB": "SEND_B", "rB": "RECV_B"}
+from tests.shardings.pipeline.cases import any_schedule, with_rank
 
 
 def programs(schedule: Schedule, compute_only: bool = False) -> list[str]:
     """Each rank's program as a space-separated string of ``str(Action)``."""
     return [" ".join(str(a) for a in actions if not compute_only or a.kind in ("F", "B")) for actions in schedule.ranks]
-
-
-def parse(program: str, stage: int) -> tuple[Action, ...]:
-    """``"rF0 F0 sF0"`` -> the actions of ``stage`` those labels name (the inverse of ``str(Action)``)."""
-    labels = [re.fullmatch(r"([a-zA-Z]+)(\d+)", word).groups() for word in program.split()]
-    return tuple(Action(_KIND[kind], stage, int(mb)) for kind, mb in labels)
-
-
-def with_rank(schedule: Schedule, rank: int, program: str, stage: int | None = None) -> Schedule:
-    """``schedule`` with rank ``rank``'s program replaced by ``program`` (of stage ``rank`` unless given)."""
-    ranks = list(schedule.ranks)
-    ranks[rank] = parse(program, rank if stage is None else stage)
-    return dataclasses.replace(schedule, ranks=tuple(ranks))
 
 
 def assert_dependencies_hold(schedule: Schedule) -> None:
@@ -59,15 +45,6 @@ def assert_dependencies_hold(schedule: Schedule) -> None:
             assert dep not in start or t >= start[dep] + 1, (action, dep)
     computes = 3 if schedule.split_backward else 2
     assert len(start) == computes * schedule.stages * schedule.microbatches
-
-
-def any_schedule(data: st.DataObject) -> Schedule:
-    """A schedule of any kind ``build`` knows, at small sizes (interleaved: m a multiple of pp, v in 1..3)."""
-    name = data.draw(st.sampled_from(sorted(SCHEDULES)), label="schedule")
-    pp = data.draw(st.integers(1, 5), label="pp")
-    if name == "interleaved_1f1b":
-        return build(name, pp, pp * data.draw(st.integers(1, 3)), virtual_stages=data.draw(st.integers(1, 3)))
-    return build(name, pp, data.draw(st.integers(1, 10), label="m"))
 
 
 def test_action_str_is_compact_and_omits_the_stage():

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 from shardings.pipeline.check import check
 from shardings.pipeline.schedule import Action, ScheduleError, gpipe, one_f_one_b
 from shardings.pipeline.zero_bubble import zb_h1, zb_v
-from tests.shardings.pipeline.test_backward import split_after_b
-from tests.shardings.pipeline.test_schedule import with_rank
+from tests.shardings.pipeline.cases import split_after_b, with_rank
 
 
 @given(pp=st.integers(1, 6), m=st.integers(1, 16))

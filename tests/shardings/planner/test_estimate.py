@@ -14,8 +14,8 @@ from shardings.planner import Candidate
 from shardings.planner import estimate as estimates
 from shardings.planner.model_profile import block_period
 from shardings.planner.search import _profiles
-from tests.shardings.planner.test_exact import CFG as EXACT_CFG
-from tests.shardings.planner.test_exact import _cluster
+from tests.shardings.planner.cases import CFG as EXACT_CFG
+from tests.shardings.planner.cases import cluster as _cluster
 
 CFG = models.gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=16)
 ROWS = 8

@@ -12,20 +12,15 @@ from hypothesis import strategies as st
 import core
 import models
 import shardings
-from shardings.planner import Candidate, Cluster, Link, Space, enumerate_candidates
+from shardings.planner import Candidate, Space, enumerate_candidates
 from shardings.planner import estimate as estimates
 from shardings.planner import exact as exacts
 from shardings.planner.model_profile import block_period
 from shardings.planner.search import _profiles
+from tests.shardings.planner.cases import CFG
 
-CFG = models.gpt.Config(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, mlp=64, seq_len=16)
 ROWS = 8
 _POLICY = {name: core.precision.named(name) for name in ("fp32", "bf16")}
-
-
-def _cluster(world: int) -> Cluster:
-    return Cluster("test", 1, world, 1e12, {"float32": 1e11}, 1.0, 1e10, 1e-5, 1e-4, False, Link(1e-4, 1e9),
-                   Link(1e-4, 1e9), 1e10)
 
 
 def _space(world: int) -> list[Candidate]:
