@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shardings.comm.buckets import DEFAULT_BUCKET_MB
 from shardings.pipeline import build
 from shardings.planner import model_state
 from shardings.planner.candidates import Candidate, layout_of
@@ -31,11 +32,15 @@ from shardings.planner.model_profile import Profile
 from shardings.planner.prediction import Prediction, Work
 from shardings.spec import layouts
 
-__all__ = ["DTYPES", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts", "pipeline_sends",
-           "stage_blocks"]
+__all__ = ["DTYPES", "ESTIMATE_BOUNDS", "busiest_blocks", "estimate", "model_state_memory", "pipeline_facts",
+           "pipeline_sends", "stage_blocks"]
 
 DTYPES = {"fp32": (None, None), "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
-_BUCKET = 25 * 2**20  # bytes per bucketed collective (shardings.comm.buckets.DEFAULT_BUCKET_MB)
+_BUCKET = DEFAULT_BUCKET_MB * 2**20  # bytes per bucketed collective, the step's default
+# How far the exact numbers may lie from an estimate, exact / estimated (low, high), for the step time and the peak:
+# what tests/shardings/planner/test_estimate_terms.py holds the estimate to on its grid of presets (it fails if a
+# grid case falls outside). A search widens them by its own exact runs (shardings.planner.ranking.error_bounds).
+ESTIMATE_BOUNDS = {"step": (0.5, 2.0), "peak": (0.5, 2.0)}
 _RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
 
@@ -224,14 +229,6 @@ def _stages_per_rank(schedule: str) -> int:
     return stages_per_rank(schedule)
 
 
-def _keeps_master(leaves: model_state.Leaves, compute: torch.dtype | None) -> bool:
-    """The step's ``mixed.keeps_master``, from the leaves: a compute dtype narrower than a floating parameter's and
-    some leaf whose optimizer state is split where its storage is not (ZeRO-1/2's ``regather``)."""
-    every = leaves.edge + leaves.period
-    return (compute is not None and any(leaf.floating and leaf.itemsize != compute.itemsize for leaf in every)
-            and any(leaf.regather for leaf in every))
-
-
 def _stored_width(leaf: model_state.Leaf, compute: torch.dtype | None, master: bool) -> int:
     """Bytes per element of a leaf's stored params: the compute copy's when the master lives in the state."""
     return compute.itemsize if master and leaf.floating else leaf.itemsize
@@ -240,7 +237,7 @@ def _stored_width(leaf: model_state.Leaf, compute: torch.dtype | None, master: b
 def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None, reduce: torch.dtype | None,
            factor: float) -> dict[str, float]:
     out = dict.fromkeys(("params", "compute", "grads", "opt_state", "opt_bytes"), 0.0)
-    master = _keeps_master(leaves, compute)  # ZeRO-1/2 + policy: the fp32 master sharded with the state
+    master = model_state.keeps_master(leaves, compute)  # ZeRO-1/2 + policy: the fp32 master sharded with the state
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
             size = leaf.itemsize
@@ -256,7 +253,7 @@ def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None,
 def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dict[str, int],
                 compute: torch.dtype | None, reduce: torch.dtype | None, gathers_per_step: int,
                 layout: layouts.Layout) -> None:
-    master = _keeps_master(leaves, compute)
+    master = model_state.keeps_master(leaves, compute)
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
             width = compute.itemsize if compute and leaf.floating else leaf.itemsize
