@@ -122,7 +122,7 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
         try:
             if rate is None:  # priced by its own cheapest fake step, which its exact run reuses
                 rate = exacts.first_step_seconds(model, cfg, rows, row.candidate, optimizer, period)
-            if _clock() - exact_start + units * rate > budget_s:
+            if started - exact_start + units * rate > budget_s:  # from its start: its cheapest step is part of it
                 continue  # would end past the budget: it stays an estimate (a cheaper one may still run)
             pred = predict(row.candidate)
         except (ShardingError, ValueError, RuntimeError) as e:
