@@ -42,6 +42,7 @@ from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
+from shardings.planner.memory import ROLES, StepMemory, corrected
 from shardings.planner.prediction import Prediction, Work
 
 __all__ = ["exact", "first_step_seconds", "pipeline_sends", "work_units"]
@@ -143,18 +144,18 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         sends = pipeline_sends(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
     carry = _carry_bytes(cfg, rows, cand)
     comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
-    host = sum(float(rank.get(f"role/{r}", 0)) for r in ("host",))
-    peak = float(rank["peak"]) - host
+    host = float(rank.get("role/host", 0))
+    peak, saved = float(rank["peak"]) - host, None
     if cand.pipelined and peak_probes:
-        # the peak: the fullest rank's, from the probes that run each rank's program (module docstring)
-        peak = max(float(_affine({(L, 1): v for L, v in probe.items()}, period * chunks, blocks, 1)["peak"])
-                   + sends * carry for probe, sends in held) - host
-    memory = {r: float(rank.get(f"role/{r}", 0)) for r in ("params", "compute", "grads", "opt_state")}
-    for r in layout.host:
-        memory[r] = 0.0
-    rest = max(0.0, peak - sum(memory.values()))
-    activations = min(rest, estimated.memory["activations"])
-    memory |= {"activations": activations, "buffers": rest - activations}
+        # the peak: the fullest rank's, from the probes that run each rank's program (module docstring), and the
+        # activations that rank's step saved at once (the schedule's own count)
+        at_depth = [(_affine({(L, 1): v for L, v in probe.items()}, period * chunks, blocks, 1), sends)
+                    for probe, sends in held]
+        values, sends = max(at_depth, key=lambda vs: float(vs[0]["peak"]) + vs[1] * carry)
+        peak, saved = float(values["peak"]) + sends * carry - host, values.get("saved")
+    memory = corrected(StepMemory(*(estimated.memory[r] for r in ROLES)),
+                       {r.removeprefix("role/"): v for r, v in rank.items() if r.startswith("role/")}, peak, saved,
+                       layout.host)._asdict()
     work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
                                **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
