@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from shardings.planner.candidates import Candidate
+from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import Timing, step_time
-from shardings.planner.estimate import ESTIMATE_BOUNDS
+from shardings.planner.estimate import ESTIMATE_BOUNDS, ESTIMATE_TESTED
 from shardings.planner.prediction import MEMORY_ROLES, Prediction
 
 __all__ = ["Checked", "Fit", "Ranking", "Row", "describe_drop", "describe_state_drop", "gb"]
@@ -65,10 +65,15 @@ def error_bounds(checked: Sequence[Checked]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _bound_text(checked: Sequence[Checked]) -> str:
+def _bound_text(checked: Sequence[Checked], candidate: Candidate | None = None) -> str:
+    """How far an estimate could be off (:func:`error_bounds`); for ``candidate``, none where its layout has a
+    preset the estimate's tests do not cover (:data:`~shardings.planner.estimate.ESTIMATE_TESTED`)."""
     b = error_bounds(checked)
-    return (f"the exact step could be {b['step'][0]:.2g}-{b['step'][1]:.2g}× it, the peak "
+    text = (f"the exact step could be {b['step'][0]:.2g}-{b['step'][1]:.2g}× it, the peak "
             f"{b['peak'][0]:.2g}-{b['peak'][1]:.2g}× (estimate's tests, and {len(checked)} exact runs here)")
+    untested = sorted(set(layout_of(candidate.layout).presets) - ESTIMATE_TESTED) if candidate else []
+    return text if not untested else (f"no tested bound: {', '.join(untested)} is outside the estimate's tests "
+                                      f"(elsewhere {text})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +177,7 @@ class Ranking:
         """After the winner line: whether fake steps confirmed it, else that it is an estimate and its bound."""
         best = self.winner
         if not best.prediction.exact:
-            return f"  (~ an estimate, not run on fake tensors: {_bound_text(self.checked)})"
+            return f"  (~ an estimate, not run on fake tensors: {_bound_text(self.checked, best.candidate)})"
         above = self.rows.index(best)
         return (f"  (run on fake tensors; {above} estimated row{'s' * (above != 1)} above it not run within the "
                 "budget)" if above else "  (run on fake tensors)")
