@@ -360,13 +360,13 @@ MUTANTS: tuple[Mutant, ...] = (
            '            comm.add("all_reduce", "tp", 2 * blocks * m * residual, 2 * blocks * m, t)',
            "the estimate counts tensor parallelism's residual all-reduces in forward only (2 a block, not 4)",
            ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
-            "exact_step",)),
+            "exact_step[dp+tp dp2_tp2 fp32]",)),
     Mutant("estimate-activations-split-over-tp-without-sp", "shardings/planner/estimate.py",
            "        return (part.saved_residual / (t if sp else 1) + rest / t) / c",
            "        return (part.saved_residual / t + rest / t) / c",
            "the estimate counts the residual stream's saved activations as split over tp without sp (it is whole)",
            ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
-            "exact_step",)),
+            "exact_step[tp+pp pp2_tp2 1f1b m2 fp32]",)),
     Mutant("ranking-estimates-rescaled-by-an-exact-run", "shardings/planner/search.py",
            "        ranked.append(r)\n",
            "        ranked.append(Row(r.prediction, dataclasses.replace(r.timing, total=r.timing.total * (\n"

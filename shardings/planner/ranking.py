@@ -202,7 +202,7 @@ class Ranking:
 
     def _breakdown(self, row: Row) -> str:
         p, t = row.prediction, row.timing
-        how = "run on fake tensors (bytes exact)" if p.exact else "estimated"
+        how = "run on fake tensors (bytes exact)" if p.exact else f"estimated: {_bound_text(self.checked, p.candidate)}"
         lines = [f"  predicted step {_seconds(t.total)} ({how})",
                  f"  memory per rank: {gb(p.peak)} of {gb(self.cluster.memory)}"
                  + (f"; {gb(p.host)} in host memory" if p.host else "")]
