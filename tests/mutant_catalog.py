@@ -354,6 +354,38 @@ MUTANTS: tuple[Mutant, ...] = (
             "recompiles_and_equals_its_eager_twin",
             # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
+    # -- the planner: the estimate term by term, the ranking's scale, the search's budget (issue 43) --------------
+    Mutant("estimate-tp-all-reduce-forward-only", "shardings/planner/estimate.py",
+           '            comm.add("all_reduce", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)',
+           '            comm.add("all_reduce", "tp", 2 * blocks * m * residual, 2 * blocks * m, t)',
+           "the estimate counts tensor parallelism's residual all-reduces in forward only (2 a block, not 4)",
+           ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
+            "exact_step[dp+tp dp2_tp2 fp32]",)),
+    Mutant("estimate-activations-split-over-tp-without-sp", "shardings/planner/estimate.py",
+           "        return (part.saved_residual / (t if sp else 1) + rest / t) / c",
+           "        return (part.saved_residual / t + rest / t) / c",
+           "the estimate counts the residual stream's saved activations as split over tp without sp (it is whole)",
+           ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
+            "exact_step[tp+pp pp2_tp2 1f1b m2 fp32]",)),
+    Mutant("ranking-estimates-rescaled-by-an-exact-run", "shardings/planner/search.py",
+           "        ranked.append(r)\n",
+           "        ranked.append(Row(r.prediction, dataclasses.replace(r.timing, total=r.timing.total * (\n"
+           "            checked[0].ratios[\"step\"] if checked else 1.0))))\n",
+           "every estimated row is rescaled by the first exact run's ratio of exact to estimated step time (ranked on "
+           "another candidate's scale)",
+           ("tests/shardings/planner/test_ranking.py::test_rows_rank_on_their_own_best_known_prediction",)),
+    Mutant("search-budget-ignores-the-price", "shardings/planner/search.py",
+           "            if started - exact_start + units * rate > budget_s:",
+           "            if started - exact_start > budget_s:",
+           "the search starts an exact run whose price ends past the budget (it checks only the time spent)",
+           ("tests/shardings/planner/test_search.py::test_no_exact_run_starts_whose_price_ends_past_the_budget",
+            "tests/shardings/planner/test_search.py::test_a_budget_that_admits_exactly_n_exact_runs_sees_n")),
+    Mutant("search-price-ignores-blocks", "shardings/planner/exact.py",
+           "        return sum(L * k for L in (la, la + period) for k in ks)",
+           "        return sum(2 * k for L in (la, la + period) for k in ks)",
+           "an exact run's price does not grow with the blocks it runs on fake tensors",
+           ("tests/shardings/planner/test_search.py::test_the_price_of_an_exact_run_grows_with_blocks_times_"
+            "microbatches",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

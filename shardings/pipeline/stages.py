@@ -22,7 +22,7 @@ import torch
 
 from shardings.runtime.compat import pytree
 
-__all__ = ["Split", "Stages", "block_index", "split"]
+__all__ = ["Split", "Stages", "block_index", "rank_stages", "split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,25 @@ class Split:
         rows = [f"stage {s}: blocks {r.start}..{r.stop - 1} ({len(r)}), cost {c:,.0f}"
                 for s, (r, c) in enumerate(zip(self.ranges, self.costs))]
         return "\n".join(rows)
+
+
+def rank_stages(stages: Stages, first: bool, last: bool) -> Stages:
+    """``stages`` as a pipeline rank runs them that holds the model's first stage (``first``) and its last
+    (``last``) or not: the planner's stand-in for one rank of a pipeline, run at ``pp = 1``. Without the first, the
+    embedding's output enters as a fresh leaf, as a carry received from another rank does (its backward stops there
+    and yields the carry's gradient); without the last, a stand-in loss (the carry's squares summed) replaces the
+    head, so the backward starts from a gradient the carry's size, as one received from the next rank. A probe so
+    holds at each moment what that rank holds.
+    """
+    def leaf(params: Any, batch: Any) -> Any:
+        return pytree.tree_map(lambda x: x.detach().requires_grad_(x.is_floating_point())
+                               if isinstance(x, torch.Tensor) else x, stages.first(params, batch))
+
+    def stand_in(params: Any, carry: Any, batch: Any) -> torch.Tensor:
+        return sum((x.float() ** 2).sum() for x in pytree.tree_leaves(carry)
+                   if isinstance(x, torch.Tensor) and x.is_floating_point())
+
+    return dataclasses.replace(stages, first=stages.first if first else leaf, last=stages.last if last else stand_in)
 
 
 def block_index(path: Any, blocks: str = "blocks") -> int | None:

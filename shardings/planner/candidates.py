@@ -61,7 +61,8 @@ class Candidate:
 
     @property
     def pipelined(self) -> bool:
-        return self.schedule is not None
+        """Whether the layout pipelines the blocks (``Layout.pipelined``, the one answer; it then has a schedule)."""
+        return layout_of(self.layout).pipelined
 
     def size(self, axis: str) -> int:
         """The size of ``axis`` (1 when the mesh lacks it)."""

@@ -16,7 +16,7 @@ outside the blocks and its own blocks: its numbers are the same bilinear form at
 by probes that run, at ``pp = 1``, each rank's own program (:func:`rank_programs`): its forwards, backwards and
 weight gradients in its order, over its ``v`` chunks of ``2p`` and ``3p`` blocks each (affine in the chunk's
 blocks), with the embedding and the head only where the rank runs them
-(:func:`~shardings.planner.fake_step.rank_stages`), plus the messages it holds sent and not yet known delivered
+(:func:`~shardings.pipeline.stages.rank_stages`), plus the messages it holds sent and not yet known delivered
 (:func:`~shardings.pipeline.delivery.sends_held`, a residual stream each). The fullest rank's is the candidate's
 peak. A step holds nothing of the step before but its parameters and optimizer state (the schedule's result it
 keeps, ``TrainStep.last``, drops its gradients), so one step from ``init`` is what every later step holds. Against
@@ -30,17 +30,19 @@ import dataclasses
 import functools
 import time
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import core
+from shardings.pipeline import DEFAULT_SCHEDULE
 from shardings.pipeline.delivery import sends_held
 from shardings.pipeline.schedule import Action, Schedule, build, program, stages_per_rank
 from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
+from shardings.planner.memory import ROLES, StepMemory, corrected
 from shardings.planner.prediction import Prediction, Work
 
 __all__ = ["exact", "first_step_seconds", "pipeline_sends", "work_units"]
@@ -58,7 +60,7 @@ def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...
              microbatches: int, optimizer: Any, peak_probe: tuple[Schedule, bool, bool] | None = None) -> Measured:
     """One fake step; with ``peak_probe`` (one of :func:`rank_programs`) run by it."""
     pipelined = layout_of(layout).pipelined
-    probe, *ends = peak_probe or ("gpipe", True, True)
+    probe, *ends = peak_probe or (DEFAULT_SCHEDULE, True, True)
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches, schedule=probe if pipelined else None,
                    ends=tuple(ends))
@@ -142,18 +144,18 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         sends = pipeline_sends(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
     carry = _carry_bytes(cfg, rows, cand)
     comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
-    host = sum(float(rank.get(f"role/{r}", 0)) for r in ("host",))
-    peak = float(rank["peak"]) - host
+    host = float(rank.get("role/host", 0))
+    peak, saved = float(rank["peak"]) - host, None
     if cand.pipelined and peak_probes:
-        # the peak: the fullest rank's, from the probes that run each rank's program (module docstring)
-        peak = max(float(_affine({(L, 1): v for L, v in probe.items()}, period * chunks, blocks, 1)["peak"])
-                   + sends * carry for probe, sends in held) - host
-    memory = {r: float(rank.get(f"role/{r}", 0)) for r in ("params", "compute", "grads", "opt_state")}
-    for r in layout.host:
-        memory[r] = 0.0
-    rest = max(0.0, peak - sum(memory.values()))
-    activations = min(rest, estimated.memory["activations"])
-    memory |= {"activations": activations, "buffers": rest - activations}
+        # the peak: the fullest rank's, from the probes that run each rank's program (module docstring), and the
+        # activations that rank's step saved at once (the schedule's own count)
+        at_depth = [(_affine({(L, 1): v for L, v in probe.items()}, period * chunks, blocks, 1), sends)
+                    for probe, sends in held]
+        values, sends = max(at_depth, key=lambda vs: float(vs[0]["peak"]) + vs[1] * carry)
+        peak, saved = float(values["peak"]) + sends * carry - host, values.get("saved")
+    memory = corrected(StepMemory(*(estimated.memory[r] for r in ROLES)),
+                       {r.removeprefix("role/"): v for r, v in rank.items() if r.startswith("role/")}, peak, saved,
+                       layout.host)._asdict()
     work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
                                **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
@@ -196,7 +198,7 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
     """One-rank schedules, for probes at ``pp = 1``, that each hold at every moment what one pipeline rank of
     ``cand`` holds: that rank's forwards, backwards and weight gradients in its order, its stages renumbered as
     the probe's chunks (so a rank of interleaved 1F1B or ZB-V runs its ``v`` chunks), with whether the rank runs
-    the model's first stage and its last (:func:`~shardings.planner.fake_step.rank_stages`), and the most messages
+    the model's first stage and its last (:func:`~shardings.pipeline.stages.rank_stages`), and the most messages
     the rank holds sent and not yet known delivered (:func:`~shardings.pipeline.delivery.sends_held`: a probe at
     ``pp = 1`` sends none); one per rank with the model's first or last stage, and one for the others: of those no
     other rank covers (:func:`_covers`: a middle rank of 1F1B holds less of everything than the rank after the first),
@@ -219,27 +221,59 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
         cut, states = _new_states(computes, release, len(chunks))
         started = {a.mb for a in computes[:cut + 1]}
         kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb in started)
-        ranks.append((kept, s.rank_of(0) == rank, s.rank_of(s.stages - 1) == rank, sends[rank], states))
-    uncovered = [r for r in ranks if not any(_covers(other, r) for other in ranks if other[:4] != r[:4])]
+        ranks.append(RankProgram(kept, s.rank_of(0) == rank, s.rank_of(s.stages - 1) == rank, sends[rank],
+                                 tuple(states)))
+    uncovered = [r for r in ranks if not any(_covers(other, r) for other in ranks if other.key != r.key)]
     # the ranks with the model's ends, and of the rest the one holding the most at once (a zero-bubble schedule's
     # middle ranks trade forwards held for weight gradients deferred: one probe stands for them)
-    middle = [r for r in uncovered if not (r[1] or r[2])]
-    fullest = max(middle, key=lambda r: (max(sum(x[:2 * len(x) // 3]) for x in r[4]), r[3]), default=None)
-    programs = {r[:4]: None for r in uncovered if r[1] or r[2] or r is fullest}
-    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in p), (program(list(p), s.stages_per_rank),),
-                       stages_per_rank=s.stages_per_rank), first, last), held) for p, first, last, held in programs]
+    middle = [r for r in uncovered if not (r.first or r.last)]
+    fullest = max(middle, key=lambda r: (r.most_held, r.sends), default=None)
+    programs: dict[tuple[Any, ...], RankProgram] = {}
+    for r in uncovered:
+        if r.first or r.last or r is fullest:
+            programs.setdefault(r.key, r)
+    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in r.actions),
+                       (program(list(r.actions), s.stages_per_rank),), stages_per_rank=s.stages_per_rank),
+              r.first, r.last), r.sends) for r in programs.values()]
 
 
-def _covers(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+class RankProgram(NamedTuple):
+    """One pipeline rank's program as :func:`rank_programs` probes it.
+
+    Attributes:
+        actions: its forwards, backwards and weight gradients in order (chunks renumbered), cut (``_new_states``).
+        first: it runs the model's first stage (the embedding).
+        last: it runs the model's last stage (the head and loss).
+        sends: the most messages it holds sent and not yet known delivered.
+        states: what it holds at each new moment: per chunk, forwards held, backwards awaiting W, gradients summed.
+    """
+
+    actions: tuple[Action, ...]
+    first: bool
+    last: bool
+    sends: int
+    states: tuple[tuple[int, ...], ...]
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What makes two programs the same probe."""
+        return self.actions, self.first, self.last, self.sends
+
+    @property
+    def most_held(self) -> int:
+        """The most microbatches held at once over its chunks (forwards and backwards awaiting W)."""
+        return max(sum(x[:2 * len(x) // 3]) for x in self.states)
+
+
+def _covers(a: RankProgram, b: RankProgram) -> bool:
     """Whether rank ``a`` holds at some moment at least what rank ``b`` holds at each of its moments (so only ``a``
     needs a probe): the same ends of the model, as many messages in flight, every state of ``b`` under one of
     ``a``'s. An ``a`` with the same numbers as ``b`` covers it only if it comes first (one of them is probed)."""
-    (_, first_a, last_a, sends_a, states_a), (_, first_b, last_b, sends_b, states_b) = a, b
-    if (first_a, last_a) != (first_b, last_b) or sends_a < sends_b:
+    if (a.first, a.last) != (b.first, b.last) or a.sends < b.sends:
         return False
-    under = all(any(all(x <= y for x, y in zip(sb, sa)) for sa in states_a) for sb in states_b)
-    same = sends_a == sends_b and all(any(all(x <= y for x, y in zip(sa, sb)) for sb in states_b) for sa in states_a)
-    return under and (not same or states_a < states_b or (states_a == states_b and a[0] < b[0]))
+    under = all(any(all(x <= y for x, y in zip(sb, sa)) for sa in a.states) for sb in b.states)
+    same = a.sends == b.sends and all(any(all(x <= y for x, y in zip(sa, sb)) for sb in b.states) for sa in a.states)
+    return under and (not same or a.states < b.states or (a.states == b.states and a.actions < b.actions))
 
 
 def _new_states(computes: list[Action], release: str, chunks: int) -> tuple[int, list[tuple[int, ...]]]:

@@ -38,7 +38,8 @@ import core
 from core import deferred, tree
 from shardings.comm.accounting import comms
 from shardings.comm.peak_memory import peak_memory
-from shardings.pipeline import Stages, plan
+from shardings.pipeline import plan
+from shardings.pipeline.stages import rank_stages
 from shardings.runtime.compat import (
     FakeStore,
     FakeTensorMode,
@@ -52,7 +53,7 @@ from shardings.spec.rules import is_names
 from shardings.step.initialize import param_specs
 from shardings.step.train_step import train_step
 
-__all__ = ["Measured", "OpCounter", "measure", "rank_stages", "rank_zero_of"]
+__all__ = ["Measured", "OpCounter", "measure", "rank_zero_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +208,7 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         virtual_stages: with ``pp`` and an interleaved schedule, stages per rank.
         stage_sizes: with ``pp``, blocks per stage.
         ends: with ``pp``, whether the rank this step stands for runs the model's first stage and its last
-            (:func:`rank_stages`).
+            (:func:`shardings.pipeline.stages.rank_stages`).
 
     Returns:
         A :class:`Measured`.
@@ -238,24 +239,6 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         pipe = metrics.get("pipeline")
         return Measured(comm, peak.peak, peak.at_entry, dict(metrics["memory"]), pipe and pipe["saved_peak"],
                         dict(counter.flops), dict(counter.matmuls), counter.bytes, counter.moves, dict(counter.ops))
-
-
-def rank_stages(stages: Stages, first: bool, last: bool) -> Stages:
-    """``stages`` as a pipeline rank runs them that holds the model's first stage (``first``) and its last
-    (``last``) or not. Without the first, the embedding's output enters as a fresh leaf, as a carry received from
-    another rank does (its backward stops there and yields the carry's gradient); without the last, a stand-in
-    loss (the carry's squares summed) replaces the head, so the backward starts from a gradient the carry's size,
-    as one received from the next rank. A probe at ``pp = 1`` so holds at each moment what that rank holds.
-    """
-    def leaf(params: Any, batch: Any) -> Any:
-        return tree.map(lambda x: x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor)
-                        else x, stages.first(params, batch))
-
-    def stand_in(params: Any, carry: Any, batch: Any) -> torch.Tensor:
-        return sum((x.float() ** 2).sum() for x in tree.leaves(carry)
-                   if isinstance(x, torch.Tensor) and x.is_floating_point())
-
-    return dataclasses.replace(stages, first=stages.first if first else leaf, last=stages.last if last else stand_in)
 
 
 def _bound(loss: Any, cfg: Any) -> Any:

@@ -22,12 +22,13 @@ import core
 from core import deferred, tree
 from shardings.pipeline.stages import block_index
 from shardings.planner.candidates import layout_of
-from shardings.spec import layouts
+from shardings.spec import layouts, lower
 from shardings.spec.mesh import Mesh, P
 from shardings.spec.rules import logical_to_spec
+from shardings.step import mixed
 from shardings.step.initialize import param_specs
 
-__all__ = ["LOOKUP", "Leaf", "Leaves", "leaves", "on_device", "optimizer_factor"]
+__all__ = ["LOOKUP", "Leaf", "Leaves", "keeps_master", "leaves", "on_device", "optimizer_factor"]
 
 _ROLES = ("params", "compute", "grads", "opt_state")
 LOOKUP = "vocab"
@@ -67,11 +68,31 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class Leaves:
-    """The leaves outside the blocks and those of one period of blocks, on one (stage) mesh."""
+    """The leaves outside the blocks and those of one period of blocks, on one (stage) mesh.
+
+    Attributes:
+        edge: the leaves outside the blocks.
+        period: one period's leaves.
+        period_blocks: blocks in a period.
+        mesh: the (stage) mesh.
+        placements: per role (``params``, ``opt_state``) each leaf's placements, edge then period leaves in tree
+            order: what the step's own decisions read (:func:`keeps_master`).
+        dtypes: each leaf's storage dtype, in the same order.
+    """
 
     edge: tuple[Leaf, ...]
     period: tuple[Leaf, ...]
     period_blocks: int
+    mesh: Mesh | None = None
+    placements: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    dtypes: tuple[torch.dtype, ...] = ()
+
+
+def keeps_master(leaves: Leaves, compute: torch.dtype | None) -> bool:
+    """Whether the step keeps fp32 master weights in the optimizer state (ZeRO-1/2 under a policy): the step's own
+    :func:`shardings.step.mixed.keeps_master`, asked about these leaves (shape-less meta stand-ins of their dtypes)."""
+    params = [torch.empty(0, dtype=d, device="meta") for d in leaves.dtypes]
+    return mixed.keeps_master(mixed.Cast(compute), params, leaves.placements, leaves.mesh)
 
 
 def _local(shape: tuple[int, ...], spec: P, mesh: Mesh) -> int:
@@ -115,7 +136,7 @@ def _leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...
              for r in _ROLES}
     batch = logical_to_spec(("batch", "seq"), layout_.role("batch"), mesh)
     data = [a for a in batch.axes if mesh.axis_size(a) > 1]
-    edge, block = [], []
+    edge, block, order = [], [], {"edge": [], "period": []}
     for i, (path, recipe) in enumerate(tree.leaves_with_path(recipes)):
         shape = tuple(recipe.shape)
         s, c, g, o = (specs[r][i] for r in _ROLES)
@@ -133,7 +154,11 @@ def _leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...
                     tuple(a for a in _axes(o) - _axes(s) if a in data) if not gathered else (),
                     block_index(path) is not None)
         (block if leaf.in_blocks else edge).append(leaf)
-    return Leaves(tuple(edge), tuple(block), period)
+        order["period" if leaf.in_blocks else "edge"].append((recipe.dtype, {
+            r: lower.to_placements(specs[r][i], mesh, len(shape)) for r in ("params", "opt_state")}))
+    placed = order["edge"] + order["period"]
+    return Leaves(tuple(edge), tuple(block), period, mesh,
+                  {r: tuple(p[r] for _, p in placed) for r in ("params", "opt_state")}, tuple(d for d, _ in placed))
 
 
 @functools.lru_cache(maxsize=64)

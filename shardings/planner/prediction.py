@@ -6,11 +6,11 @@ import dataclasses
 from fractions import Fraction
 
 from shardings.planner.candidates import Candidate
+from shardings.planner.memory import ROLES
 
 __all__ = ["MEMORY_ROLES", "Prediction", "Work"]
 
-# Bytes per rank by role: the step's metrics["memory"] roles (held between steps), then what a step adds
-MEMORY_ROLES = ("params", "compute", "grads", "opt_state", "activations", "buffers")
+MEMORY_ROLES = ROLES  # bytes per rank by role: the one memory model's (shardings.planner.memory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,9 @@ class Prediction:
         comm: ``(kind, axis) -> (count, bytes sent)`` by the busiest rank per step.
         simulated: ``(kind, axis) -> (count, bytes)`` as ``shardings.comms()`` counts a simulated step of the
             candidate (every pipeline stage in one process: all stages' collectives); ``comm`` without ``pp``.
-        memory: bytes per rank by role (:data:`MEMORY_ROLES`): ``activations`` saved for backward at the peak,
-            ``buffers`` the rest of the peak (gathered parameters, transient gradients, logits, pipeline carries).
+        memory: bytes per rank by role (:data:`MEMORY_ROLES`), a :class:`~shardings.planner.memory.StepMemory`'s
+            terms: ``activations`` saved for backward at the peak, ``buffers`` the rest of the peak (gathered
+            parameters, transient gradients, logits, pipeline carries).
         host: bytes of roles kept in host memory (offload), not counted in ``peak``.
         flops: FLOPs per rank per step by compute dtype name.
         matmuls: how many matmul and attention ops those FLOPs are in, by dtype name.

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from shardings.planner.candidates import Candidate
+from shardings.planner.candidates import Candidate, layout_of
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import Timing, step_time
+from shardings.planner.estimate import ESTIMATE_BOUNDS, ESTIMATE_TESTED
 from shardings.planner.prediction import MEMORY_ROLES, Prediction
 
-__all__ = ["Fit", "Ranking", "Row", "describe_drop", "describe_state_drop", "gb"]
+__all__ = ["Checked", "Fit", "Ranking", "Row", "describe_drop", "describe_state_drop", "gb"]
 
 
 def gb(n: float) -> str:
@@ -35,6 +37,43 @@ class Row:
     @property
     def candidate(self) -> Candidate:
         return self.prediction.candidate
+
+
+class Checked(NamedTuple):
+    """One candidate's estimate beside its own exact run (fake steps): how far off that estimate was."""
+
+    candidate: Candidate
+    estimated_step: float
+    exact_step: float
+    estimated_peak: float
+    exact_peak: float
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """Exact over estimated, for the step time and the peak."""
+        return {"step": self.exact_step / self.estimated_step, "peak": self.exact_peak / self.estimated_peak}
+
+
+def error_bounds(checked: Sequence[Checked]) -> dict[str, tuple[float, float]]:
+    """How far an estimate may be off, exact over estimated (low, high) per ``step`` and ``peak``: the bounds the
+    estimate's tests hold it to (:data:`~shardings.planner.estimate.ESTIMATE_BOUNDS`), widened by every exact run
+    of this search against its own estimate."""
+    out = {}
+    for what, (lo, hi) in ESTIMATE_BOUNDS.items():
+        seen = [c.ratios[what] for c in checked]
+        out[what] = (min([lo, *seen]), max([hi, *seen]))
+    return out
+
+
+def _bound_text(checked: Sequence[Checked], candidate: Candidate | None = None) -> str:
+    """How far an estimate could be off (:func:`error_bounds`); for ``candidate``, none where its layout has a
+    preset the estimate's tests do not cover (:data:`~shardings.planner.estimate.ESTIMATE_TESTED`)."""
+    b = error_bounds(checked)
+    text = (f"the exact step could be {b['step'][0]:.2g}-{b['step'][1]:.2g}× it, the peak "
+            f"{b['peak'][0]:.2g}-{b['peak'][1]:.2g}× (estimate's tests, and {len(checked)} exact runs here)")
+    untested = sorted(set(layout_of(candidate.layout).presets) - ESTIMATE_TESTED) if candidate else []
+    return text if not untested else (f"no tested bound: {', '.join(untested)} is outside the estimate's tests "
+                                      f"(elsewhere {text})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +108,15 @@ class Ranking:
         cluster: the cluster planned for.
         seconds: how long the search took.
         searched: how many candidates were considered.
+        checked: each candidate run exactly, beside its own estimate (the estimates' error found by this search;
+            stated beside the estimated rows, never applied to them).
     """
 
     def __init__(self, rows: list[Row], dropped: dict[Candidate, str], cluster: Cluster, seconds: float,
-                 searched: int, predict: Callable[[Candidate], Prediction]):
-        self.rows = sorted(rows, key=lambda r: r.timing.total)
+                 searched: int, predict: Callable[[Candidate], Prediction], checked: Sequence[Checked] = ()):
+        self.rows = sorted(rows, key=lambda r: r.timing.total)  # each on its own best-known prediction
         self.dropped, self.cluster, self.seconds, self.searched = dropped, cluster, seconds, searched
+        self.checked = tuple(checked)
         self._predict = predict
 
     @property
@@ -116,19 +158,29 @@ class Ranking:
                f"{'bubble':>6}  candidate"
         lines = [f"{self.searched} candidates on {self.cluster.name} ({self.cluster.world} ranks, "
                  f"{gb(self.cluster.memory)} each) in {self.seconds:.1f} s; {len(self.dropped)} dropped; "
-                 "~: estimated (not run on fake tensors)", head]
+                 f"{sum(r.prediction.exact for r in self.rows)} run on fake tensors; ~: estimated (not run on fake "
+                 f"tensors): {_bound_text(self.checked)}", head]
         for i, r in enumerate(self.rows[:k]):
             p, t = r.prediction, r.timing
             mark = " " if p.exact else "~"
             lines.append(f"{i + 1:>3}{mark} {_seconds(t.total):>9}  {gb(p.peak):>10}  {gb(float(p.comm_bytes())):>10}  "
                          f"{_seconds(t.exposed):>9}  {_seconds(t.busy):>9}  {p.bubble:>6.1%}  {r.candidate}")
         if self.rows:
-            lines.append("winner: " + " ".join(self.overrides()))
+            lines.append("winner: " + " ".join(self.overrides()) + self._winner_note())
         lines += [f"failed: {c}: {why}" for c, why in self.dropped.items() if why.startswith(FAILED)]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+    def _winner_note(self) -> str:
+        """After the winner line: whether fake steps confirmed it, else that it is an estimate and its bound."""
+        best = self.winner
+        if not best.prediction.exact:
+            return f"  (~ an estimate, not run on fake tensors: {_bound_text(self.checked, best.candidate)})"
+        above = self.rows.index(best)
+        return (f"  (run on fake tensors; {above} estimated row{'s' * (above != 1)} above it not run within the "
+                "budget)" if above else "  (run on fake tensors)")
 
     def explain(self, candidate: Candidate) -> str:
         """Where ``candidate``'s step time and memory go, and why it ranks where it does (or was dropped)."""
@@ -150,7 +202,7 @@ class Ranking:
 
     def _breakdown(self, row: Row) -> str:
         p, t = row.prediction, row.timing
-        how = "run on fake tensors (bytes exact)" if p.exact else "estimated"
+        how = "run on fake tensors (bytes exact)" if p.exact else f"estimated: {_bound_text(self.checked, p.candidate)}"
         lines = [f"  predicted step {_seconds(t.total)} ({how})",
                  f"  memory per rank: {gb(p.peak)} of {gb(self.cluster.memory)}"
                  + (f"; {gb(p.host)} in host memory" if p.host else "")]

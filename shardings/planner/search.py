@@ -10,13 +10,13 @@
    ``budget_s`` is spent. One whose exact prediction would end past it is not run (it stays an estimate, and a
    cheaper one after it may run): its price is its blocks × microbatches on fake tensors
    (:func:`~shardings.planner.exact.work_units`: a pipeline's probes run each rank's microbatches) at the most
-   seconds per unit seen so far, the first priced by its own cheapest fake step. An exact
-   candidate that does not fit is dropped with its numbers, and so is an estimate over the memory; one whose
-   exact prediction raises is dropped with the error (listed under the table) and the search goes on. An estimate
-   that the exact runs so far say will not fit (its peak times their
-   median ratio of exact to estimated peak) is not run; it stays in the table, marked as an estimate. The
-   estimates leave things out (the step's own ops and copies): each is scaled by the median ratio of exact to
-   estimated time seen so far, so the exact and the estimated rows rank on one scale.
+   seconds per unit seen so far, the first priced by its own cheapest fake step. An exact candidate that does not
+   fit is dropped with its numbers, and so is an estimate over the memory; one whose exact prediction raises is
+   dropped with the error (listed under the table) and the search goes on.
+4. Every row is ranked on its own best-known prediction: its exact one where it ran, else its estimate. An exact
+   run corrects its own candidate only (no ratio found on one candidate rescales or skips another); the estimates'
+   error found by the exact runs (:class:`~shardings.planner.ranking.Checked`) is stated beside the estimated
+   rows (:meth:`~shardings.planner.Ranking.table`), not applied to them.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import step_time
 from shardings.planner.model_profile import block_period, profile
-from shardings.planner.ranking import Ranking, Row, describe_drop, describe_failure, describe_state_drop
+from shardings.planner.ranking import Checked, Ranking, Row, describe_drop, describe_failure, describe_state_drop
 from shardings.spec.errors import ShardingError
 
 __all__ = ["plan"]
+
+_clock = time.perf_counter  # the search's clock (its budget's seconds); a test's fake clock replaces it
 
 
 def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *, optimizer: Any = None,
@@ -68,7 +70,7 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     """
     import core
 
-    start = time.perf_counter()
+    start = _clock()
     rows, seq = batch_shape
     cfg = dataclasses.replace(cfg, seq_len=seq)
     optimizer = optimizer if optimizer is not None else core.optim.adamw(1e-3)
@@ -110,21 +112,17 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
         return exacts.exact(model, cfg, rows, cand, optimizer, period, est)
 
     exact: list[Row] = []
-    ratios: list[float] = []  # exact / estimated step time of each candidate run exactly
-    peaks: list[float] = []  # and peak memory
-    exact_start, rate = time.perf_counter(), None  # seconds per work unit of an exact prediction, the most so far
+    checked: list[Checked] = []  # each exact run beside its own estimate: the estimates' error, as found here
+    exact_start, rate = _clock(), None  # seconds per work unit of an exact prediction, the most so far
     for row in estimated:
-        scale = _median(ratios)
         kth = sorted(r.timing.total for r in exact)[top_k - 1] if len(exact) >= top_k else None
-        if (kth is not None and row.timing.total * scale >= kth) or time.perf_counter() - exact_start > budget_s:
+        if (kth is not None and row.timing.total >= kth) or _clock() - exact_start > budget_s:
             break
-        if row.prediction.peak * _median(peaks) > cluster.memory:  # the exact runs so far say it will not fit
-            continue
-        started, units = time.perf_counter(), exacts.work_units(row.candidate, period)
+        started, units = _clock(), exacts.work_units(row.candidate, period)
         try:
             if rate is None:  # priced by its own cheapest fake step, which its exact run reuses
                 rate = exacts.first_step_seconds(model, cfg, rows, row.candidate, optimizer, period)
-            if time.perf_counter() - exact_start + units * rate > budget_s:
+            if started - exact_start + units * rate > budget_s:  # from its start: its cheapest step is part of it
                 continue  # would end past the budget: it stays an estimate (a cheaper one may still run)
             pred = predict(row.candidate)
         except (ShardingError, ValueError, RuntimeError) as e:
@@ -134,29 +132,23 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
             dropped[row.candidate] = describe_failure(e)
             continue
         finally:
-            rate = max(rate or 0.0, (time.perf_counter() - started) / units)
+            rate = max(rate or 0.0, (_clock() - started) / units)
         timed = Row(pred, step_time(pred, cluster))
-        ratios.append(timed.timing.total / row.timing.total)
-        peaks.append(pred.peak / row.prediction.peak)
+        checked.append(Checked(row.candidate, row.timing.total, timed.timing.total, row.prediction.peak, pred.peak))
         if pred.peak > cluster.memory:
             dropped[row.candidate] = describe_drop(pred, cluster)
             continue
         exact.append(timed)
     done = {r.candidate for r in exact} | set(dropped)
-    scale = _median(ratios)  # what the estimates leave out, as the exact runs found it: scale the rest
     ranked = list(exact)
-    for r in estimated:
+    for r in estimated:  # each on its own estimate: no exact run of another candidate rescales it
         if r.candidate in done:
             continue
         if r.prediction.peak > cluster.memory:  # within the slack (worth running exactly), but not run: no evidence
             dropped[r.candidate] = describe_drop(r.prediction, cluster)
             continue
-        ranked.append(Row(r.prediction, dataclasses.replace(r.timing, total=r.timing.total * scale)))
-    return Ranking(ranked, dropped, cluster, time.perf_counter() - start, len(candidates), predict)
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else 1.0
+        ranked.append(r)
+    return Ranking(ranked, dropped, cluster, _clock() - start, len(candidates), predict, checked)
 
 
 def _profiles(model: Any, cfg: Any, cand: Candidate) -> dict:

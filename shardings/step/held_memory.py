@@ -14,7 +14,11 @@ from shardings.spec.mesh import Mesh, P
 from shardings.step import dtensor_path, ownership
 from shardings.step.context import ParamPlan
 
-__all__ = ["compute_copy_bytes", "grad_bytes", "roles"]
+__all__ = ["HELD_ROLES", "compute_copy_bytes", "grad_bytes", "roles"]
+
+HELD_ROLES = ("params", "compute", "grads", "opt_state")
+"""The roles of ``metrics["memory"]`` (besides ``host``): what a step holds between steps, per rank. The planner's
+memory model (``shardings.planner.memory``) counts the same roles, and what a step adds at its peak."""
 
 
 def grad_bytes(plan: ParamPlan, mesh: Mesh, params: Any, grads: Any) -> int:
@@ -45,6 +49,6 @@ def roles(params: Any, opt_state: Any, grad_nbytes: int, compute: torch.dtype | 
     (another stage's absent blocks not counted), their compute-dtype copies, the gradients (:func:`grad_bytes`),
     and ``host``: those of the roles in ``host`` (the layout's offloaded roles) that live in host memory."""
     held = lambda t: accounting.memory([x for x in tree.leaves(t) if not ownership.is_absent(x)])
-    return {"params": held(params), "compute": compute_copy_bytes(compute, params), "grads": grad_nbytes,
-            "opt_state": held(opt_state),
-            "host": sum(accounting.memory(t) for r, t in (("params", params), ("opt_state", opt_state)) if r in host)}
+    out = dict(zip(HELD_ROLES, (held(params), compute_copy_bytes(compute, params), grad_nbytes, held(opt_state))))
+    return out | {"host": sum(accounting.memory(t) for r, t in (("params", params), ("opt_state", opt_state))
+                              if r in host)}
