@@ -18,27 +18,23 @@ model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 import shardings
+from experiments.auto import CONF, auto, load_cluster
 from experiments.build import ConfigError, model
 from experiments.config import ModelConf, register
 from shardings.planner import Candidate, Cluster, Space
 
 __all__ = ["PlanConf", "auto", "candidate", "load_cluster", "main", "parse_mesh"]
-
-CONF = Path(__file__).parent / "conf"
 
 
 @dataclass
@@ -83,14 +79,6 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def load_cluster(name: str) -> Cluster:
-    """The cluster ``name`` from ``experiments/conf/cluster`` (Hydra defaults applied)."""
-    register()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
-        cfg = compose("plan", overrides=[f"cluster={name}"])
-    return Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
-
-
 def candidate(cfg: Any) -> Candidate:
     """The candidate ``cfg`` names (``layout``, ``mesh``, ...), its layout spelled canonically."""
     if not cfg.layout or not cfg.mesh:
@@ -127,37 +115,6 @@ def run(cfg: Any) -> str:
                   max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
     return ranking.table(cfg.top_k)
-
-
-_PRECISION_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def auto(cfg: Any) -> Any:
-    """``layout=auto`` in a composed ``train`` config: plan the configured model, batch and world size on this
-    machine's cluster (``cluster/this.yaml``, one node of that many ranks), print the table, and return a copy of
-    ``cfg`` with the winner's layout, mesh, pipeline and accumulation (the precision and remat as configured).
-    Any other layout: ``cfg`` unchanged."""
-    if str(cfg.layout) != "auto":
-        return cfg
-    module, model_cfg = model(cfg.model)
-    world = (cfg.get("runtime") or {}).get("world_size") or math.prod(dict(cfg.mesh.sizes).values())
-    cluster = dataclasses.replace(load_cluster("this"), nodes=1, per_node=world)
-    data = cfg.get("data")
-    seq = (data.seq_len if data is not None else None) or model_cfg.seq_len
-    precision = _PRECISION_NAMES.get(str((cfg.get("precision") or {}).get("compute", "float32")), "fp32")
-    space = Space(precisions=(precision,), remat=(model_cfg.remat,), offload=False)
-    ranking = shardings.plan(module, model_cfg, (data.batch_size, seq), cluster, space=space, top_k=5, budget_s=20)
-    print(ranking.table(5))
-    best = ranking.winner.candidate
-    out = cfg.copy()
-    with open_dict(out):
-        out.layout, out.mesh.sizes = best.layout, dict(best.sizes)
-        if best.pipelined:
-            out.pipeline.schedule, out.pipeline.microbatches = best.schedule, best.microbatches
-            out.pipeline.virtual_stages = best.virtual_stages
-        else:
-            out.accum_steps = best.microbatches
-    return out
 
 
 _CANDIDATE_KEYS = ("layout", "mesh", "microbatches", "schedule", "remat", "precision")  # PlanConf's candidate
