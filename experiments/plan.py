@@ -18,6 +18,7 @@ model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,15 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
+import core
 import shardings
+from core import deferred, tree
 from experiments.auto import CONF, auto, load_cluster
 from experiments.build import ConfigError, model
-from experiments.config import ModelConf, register
+from experiments.config import ModelConf, app_overrides, own_model, register
 from shardings.planner import Candidate, Cluster, Space
 
-__all__ = ["PlanConf", "auto", "candidate", "load_cluster", "main", "parse_mesh"]
+__all__ = ["PlanConf", "auto", "candidate", "dropped_by_reason", "load_cluster", "main", "parse_mesh", "planned"]
 
 
 @dataclass
@@ -96,11 +99,13 @@ def candidate(cfg: Any) -> Candidate:
 
 
 def run(cfg: Any) -> str:
-    """Plan (or check one candidate) for the composed ``plan`` config; the text to print."""
+    """Plan (or check one candidate) for the composed ``plan`` config; the text to print: what was planned (the
+    model's config and parameter count), then the answer, then the dropped candidates counted by reason."""
     module, model_cfg = model(cfg.model)
     cluster = Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
     seq = cfg.seq_len or model_cfg.seq_len
     batch = (cfg.batch_size, seq)
+    head = planned(cfg.model.name, model_cfg, module, batch)
     if cfg.fits or cfg.explain:
         cand = candidate(cfg)
         world = 1
@@ -110,11 +115,36 @@ def run(cfg: Any) -> str:
             raise ConfigError(f"mesh={cfg.mesh} has {world} ranks but cluster {cluster.name} has {cluster.world}. "
                               f"Fix: a mesh of {cluster.world} ranks, or another cluster.")
         ranking = shardings.plan(module, model_cfg, batch, cluster, candidates=[cand], top_k=1, budget_s=1e9)
-        return str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)
+        return "\n".join([head, str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)])
     space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
                   max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
-    return ranking.table(cfg.top_k)
+    return "\n".join([head, ranking.table(cfg.top_k), *dropped_by_reason(ranking.dropped)])
+
+
+def planned(name: str, model_cfg: Any, module: Any, batch: tuple[int, int]) -> str:
+    """One line: the model and config planned, its parameter count, the batch, and whether remat was searched."""
+    with deferred.deferred():  # shapes only
+        params = module.init(core.random.key(0), model_cfg)
+    count = sum(leaf.numel() for leaf in tree.leaves(params))
+    remat = "" if any(f.name == "remat" for f in dataclasses.fields(model_cfg)) else \
+        "; its Config has no remat field: planned without remat"
+    return f"planning {name} {model_cfg!r}: {count:,} parameters, batch {batch[0]} × {batch[1]} tokens{remat}"
+
+
+def dropped_by_reason(dropped: dict[Candidate, str]) -> list[str]:
+    """``dropped`` counted by reason (its words before the first colon, a schedule's named once), each with one
+    example: ``"dropped 10: cannot run (e.g. tp tp4 fp32: at ['blocks'][0]['wk'] ...)"``."""
+    groups: dict[str, list[tuple[Candidate, str]]] = {}
+    for cand, why in dropped.items():
+        kind = "the schedule cannot be built" if why.startswith("schedule ") else why.split(":", 1)[0]
+        groups.setdefault(kind, []).append((cand, why))
+    lines = [f"dropped {len(dropped)}:" if dropped else "dropped none"]
+    for kind, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        cand, why = members[0]
+        example = why.split(":", 1)[1].strip() if ":" in why else why
+        lines.append(f"  {len(members):>5} {kind} (e.g. {cand}: {example[:200]})")
+    return lines
 
 
 _CANDIDATE_KEYS = ("layout", "mesh", "microbatches", "schedule", "remat", "precision")  # PlanConf's candidate
@@ -143,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # and Hydra would take `mesh=dp8` for a choice of one
     given = [a for a in args if a.split("=", 1)[0] in _CANDIDATE_KEYS]
     try:
+        overrides = app_overrides([a for a in args if a not in given])
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
-            cfg = compose("plan", overrides=[a for a in args if a not in given])
+            cfg = own_model(compose("plan", overrides=overrides), overrides)
         cfg.merge_with_dotlist(given)
         print(run(cfg))
     except (ConfigError, HydraException, ValueError) as e:
