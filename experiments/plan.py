@@ -34,7 +34,7 @@ import shardings
 from core import deferred, tree
 from experiments.auto import CONF, auto, load_cluster
 from experiments.build import ConfigError, model
-from experiments.config import ModelConf, app_overrides, own_model, register
+from experiments.config import ModelConf, app_overrides, own_model, register, usage
 from shardings.planner import Candidate, Cluster, Space
 
 __all__ = ["PlanConf", "auto", "candidate", "dropped_by_reason", "load_cluster", "main", "parse_mesh", "planned"]
@@ -160,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``calibrate`` and ``validate`` as the first argument run those instead (module docstring).
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] != ["validate"] and {"-h", "--help"} & set(args):  # validate: its own options (argparse)
+        register()
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
+            print(usage(__doc__, compose("plan")))
+        return 0
     if args[:1] == ["calibrate"]:
         return _calibrate(args[1:])
     if args[:1] == ["validate"]:
