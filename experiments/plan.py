@@ -8,12 +8,15 @@ Hydra overrides pick the model (``model=``: the experiments' models and the publ
     python -m experiments.plan model=llama3_8b cluster=h100x8 batch_size=8 fits=true layout=zero3 mesh=dp8 \\
         precision=bf16 remat=true        # does it fit? yes/no and where the memory goes
     python -m experiments.plan model=gpt_small explain=true layout=zero3+tp mesh=dp2_tp2   # one candidate's why
+    python -m experiments.plan model.name=mypkg.my_model model.config.layers=8   # your model, its own Config
     python -m experiments.plan calibrate    # measure this machine: writes experiments/conf/cluster/this.yaml
     python -m experiments.plan validate     # predicted vs measured on 4 gloo processes (experiments.bench.plan)
 
-It prints the top ``top_k`` candidates (step time, peak memory and bytes sent per rank, exposed communication,
-compute, bubble) and the winner as the ``experiments.train`` overrides that run it. Nothing is allocated: the
-model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
+It prints the model and config it planned (``model.name=``: the module's own ``Config``, its defaults and the
+``model.config.*`` given) with its parameter count, the top ``top_k`` candidates (step time, peak memory and bytes
+sent per rank, exposed communication, compute, bubble), the winner as the ``experiments.train`` overrides that run
+it, and the dropped candidates counted by reason. A ``Config`` without ``remat`` is planned without it. Nothing is
+allocated: the model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
 """
 
 from __future__ import annotations

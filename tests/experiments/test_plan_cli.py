@@ -16,7 +16,9 @@ import core
 import shardings
 from core import deferred, tree
 from experiments import plan
+from experiments.train import run
 from tests.experiments import llama_gqa
+from tests.experiments.conftest import compose_config
 
 
 def test_fits_answers_yes_or_no_for_the_candidate_the_command_line_names(capsys):
@@ -111,3 +113,15 @@ def _simulated_bytes(cand, cfg, rows: int) -> dict:
                                     layout=layout, mesh=mesh)
         _, _, metrics = step(params, step.init(params), batch)
     return {(r["kind"], r["axis"]): r["bytes"] for r in metrics["comm"]}
+
+
+def test_layout_auto_trains_a_researchers_model(tmp_path, capsys):
+    """``layout=auto model.name=<module>``: the planner plans the module's own Config (no remat field) and the
+    winner trains (simulated ranks, 2 steps)."""
+    cfg = compose_config("train", [f"model.name={LLAMA}", "layout=auto", "mesh=dp4", "runtime=simulate", "steps=2",
+                                   "data.source=random", "data.batch_size=8", "progress=false"])
+    summary = run(cfg, str(tmp_path))
+    winner = re.search(r"^winner: layout=(\S+) mesh=(\S+)", capsys.readouterr().out, re.M)
+    assert winner and summary["layout"] == winner[1] != "auto"
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+    assert OmegaConf.load(tmp_path / "config.yaml").model.config == {}  # the module's own defaults
