@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import core
 import models
 from core import deferred, tree
+from experiments.auto import auto
 from shardings import Mesh, check_batch_rows, layouts, logical_to_spec, param_specs, pipeline
 
 __all__ = ["ConfigError", "Setup", "build", "loss", "model", "optimizer", "pretrained"]
@@ -123,17 +124,14 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
         seq_len: tokens per row (default ``cfg.data.seq_len``, else the model config's ``seq_len``).
 
     Returns:
-        A :class:`Setup`; with ``layout=auto`` the planner's winner (``experiments.plan.auto``: it prints the ranked
+        A :class:`Setup`; with ``layout=auto`` the planner's winner (``experiments.auto.auto``: it prints the ranked
         table), whose resolved config is ``Setup.conf``.
 
     >>> build(compose("train", ["model=mlp", "layout=dp", "mesh=dp4"])).mesh  # doctest: +SKIP
     Mesh(dp=4)
     """
-    if str(cfg.layout) == "auto":  # the one place it is resolved: the planner picks layout, mesh and pipeline
-        from experiments.plan import auto  # (experiments.plan.auto); callers read the winner in Setup.conf
-
-        cfg = auto(cfg)
     module, model_cfg = _model(cfg.model)
+    cfg = auto(cfg, module, model_cfg)  # the one place layout=auto is resolved; callers read the winner in Setup.conf
     offload = cfg.get("offload") or {}
     if offload.get("activations"):
         model_cfg = _offload_activations(module, model_cfg)

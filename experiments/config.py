@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import core
 import models
@@ -65,6 +65,7 @@ __all__ = [
     "app_overrides",
     "own_model",
     "register",
+    "usage",
 ]
 
 
@@ -196,17 +197,23 @@ class TrainConf:
 
 @dataclass
 class EquivalenceConf:
-    """``python -m experiments.equivalence``: one layout vs the single-device reference, on simulated ranks."""
+    """``python -m experiments.equivalence``: layouts vs the single-device reference, on simulated or real ranks."""
 
     defaults: list[Any] = field(
-        default_factory=lambda: ["_self_", {"model": "mlp"}, {"mesh": "dp2"}, {"optim": "sgd"}]
+        default_factory=lambda: ["_self_", {"model": "mlp"}, {"mesh": "dp2"}, {"optim": "sgd"},
+                                 {"precision": "fp32"}, {"runtime": "simulate"}]
     )  # SGD: parameter differences stay proportional to gradient differences. Adam divides by sqrt(v), so
     # fp32 rounding on near-zero gradients (another reduction order) can move a parameter by ~lr.
     model: ModelConf = field(default_factory=ModelConf)
-    layout: str = "zero3"  # presets joined with '+', in any order (shardings.layouts.get)
+    layout: str = "zero3"  # presets joined with '+', in any order (shardings.layouts.get); dp,zero3: several
+    layouts: list[str] | None = None  # several layouts against one reference run (overrides layout)
     mesh: MeshConf = field(default_factory=MeshConf)
     optim: OptimConf = field(default_factory=OptimConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
+    precision: PrecisionConf = field(default_factory=PrecisionConf)  # bf16/fp16: each layout and its fp32 twin
+    runtime: RuntimeConf = field(default_factory=RuntimeConf)  # simulate | multiprocess (real gloo processes)
+    jit: bool = False  # compile each block (train_step(jit=True)); needs runtime=multiprocess
+    jit_backend: str | None = None  # null: check_equivalence's default; aot_eager compiles quickly
     steps: int = 3  # optimizer steps compared
     batch_size: int = 8  # rows of model.example_batch
     accum_steps: int = 1  # microbatches per step on the sharded side
@@ -310,3 +317,9 @@ def own_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     with open_dict(cfg):
         cfg.model.config = {k: v for k, v in cfg.model.config.items() if k in given}
     return cfg
+
+
+def usage(doc: str, cfg: DictConfig) -> str:
+    """An app's ``--help``: its module docstring and its config with the defaults (each key a ``key=value``
+    override; Hydra's own flags are not taken)."""
+    return f"{doc.strip()}\n\nConfig (defaults; override any key with key=value):\n\n{OmegaConf.to_yaml(cfg)}"

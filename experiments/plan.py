@@ -8,38 +8,39 @@ Hydra overrides pick the model (``model=``: the experiments' models and the publ
     python -m experiments.plan model=llama3_8b cluster=h100x8 batch_size=8 fits=true layout=zero3 mesh=dp8 \\
         precision=bf16 remat=true        # does it fit? yes/no and where the memory goes
     python -m experiments.plan model=gpt_small explain=true layout=zero3+tp mesh=dp2_tp2   # one candidate's why
+    python -m experiments.plan model.name=mypkg.my_model model.config.layers=8   # your model, its own Config
     python -m experiments.plan calibrate    # measure this machine: writes experiments/conf/cluster/this.yaml
     python -m experiments.plan validate     # predicted vs measured on 4 gloo processes (experiments.bench.plan)
 
-It prints the top ``top_k`` candidates (step time, peak memory and bytes sent per rank, exposed communication,
-compute, bubble) and the winner as the ``experiments.train`` overrides that run it. Nothing is allocated: the
-model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
+It prints the model and config it planned (``model.name=``: the module's own ``Config``, its defaults and the
+``model.config.*`` given) with its parameter count, the top ``top_k`` candidates (step time, peak memory and bytes
+sent per rank, exposed communication, compute, bubble), the winner as the ``experiments.train`` overrides that run
+it, and the dropped candidates counted by reason. A ``Config`` without ``remat`` is planned without it. Nothing is
+allocated: the model's steps run on fake tensors (``shardings.plan``; ``docs/planner.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 import core
 import shardings
+from core import deferred, tree
+from experiments.auto import CONF, auto, load_cluster
 from experiments.build import ConfigError, model
-from experiments.config import ModelConf, register
+from experiments.config import ModelConf, app_overrides, own_model, register, usage
 from shardings.planner import Candidate, Cluster, Space
 
-__all__ = ["PlanConf", "auto", "candidate", "load_cluster", "main", "parse_mesh"]
-
-CONF = Path(__file__).parent / "conf"
+__all__ = ["PlanConf", "auto", "candidate", "dropped_by_reason", "load_cluster", "main", "parse_mesh", "planned"]
 
 
 @dataclass
@@ -84,14 +85,6 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
-def load_cluster(name: str) -> Cluster:
-    """The cluster ``name`` from ``experiments/conf/cluster`` (Hydra defaults applied)."""
-    register()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
-        cfg = compose("plan", overrides=[f"cluster={name}"])
-    return Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
-
-
 def candidate(cfg: Any) -> Candidate:
     """The candidate ``cfg`` names (``layout``, ``mesh``, ...), its layout spelled canonically."""
     if not cfg.layout or not cfg.mesh:
@@ -109,11 +102,13 @@ def candidate(cfg: Any) -> Candidate:
 
 
 def run(cfg: Any) -> str:
-    """Plan (or check one candidate) for the composed ``plan`` config; the text to print."""
+    """Plan (or check one candidate) for the composed ``plan`` config; the text to print: what was planned (the
+    model's config and parameter count), then the answer, then the dropped candidates counted by reason."""
     module, model_cfg = model(cfg.model)
     cluster = Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
     seq = cfg.seq_len or model_cfg.seq_len
     batch = (cfg.batch_size, seq)
+    head = planned(cfg.model.name, model_cfg, module, batch)
     if cfg.fits or cfg.explain:
         cand = candidate(cfg)
         world = 1
@@ -123,39 +118,36 @@ def run(cfg: Any) -> str:
             raise ConfigError(f"mesh={cfg.mesh} has {world} ranks but cluster {cluster.name} has {cluster.world}. "
                               f"Fix: a mesh of {cluster.world} ranks, or another cluster.")
         ranking = shardings.plan(module, model_cfg, batch, cluster, candidates=[cand], top_k=1, budget_s=1e9)
-        return str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)
+        return "\n".join([head, str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)])
     space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
                   max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
-    return ranking.table(cfg.top_k)
+    return "\n".join([head, ranking.table(cfg.top_k), *dropped_by_reason(ranking.dropped)])
 
 
-def auto(cfg: Any) -> Any:
-    """``layout=auto`` in a composed ``train`` config: plan the configured model, batch and world size on this
-    machine's cluster (``cluster/this.yaml``, one node of that many ranks), print the table, and return a copy of
-    ``cfg`` with the winner's layout, mesh, pipeline and accumulation (the precision and remat as configured).
-    Any other layout: ``cfg`` unchanged."""
-    if str(cfg.layout) != "auto":
-        return cfg
-    module, model_cfg = model(cfg.model)
-    world = (cfg.get("runtime") or {}).get("world_size") or math.prod(dict(cfg.mesh.sizes).values())
-    cluster = dataclasses.replace(load_cluster("this"), nodes=1, per_node=world)
-    data = cfg.get("data")
-    seq = (data.seq_len if data is not None else None) or model_cfg.seq_len
-    precision = core.precision.name_of(str((cfg.get("precision") or {}).get("compute", "float32")))
-    space = Space(precisions=(precision,), remat=(model_cfg.remat,), offload=False)
-    ranking = shardings.plan(module, model_cfg, (data.batch_size, seq), cluster, space=space, top_k=5, budget_s=20)
-    print(ranking.table(5))
-    best = ranking.winner.candidate
-    out = cfg.copy()
-    with open_dict(out):
-        out.layout, out.mesh.sizes = best.layout, dict(best.sizes)
-        if best.pipelined:
-            out.pipeline.schedule, out.pipeline.microbatches = best.schedule, best.microbatches
-            out.pipeline.virtual_stages = best.virtual_stages
-        else:
-            out.accum_steps = best.microbatches
-    return out
+def planned(name: str, model_cfg: Any, module: Any, batch: tuple[int, int]) -> str:
+    """One line: the model and config planned, its parameter count, the batch, and whether remat was searched."""
+    with deferred.deferred():  # shapes only
+        params = module.init(core.random.key(0), model_cfg)
+    count = sum(leaf.numel() for leaf in tree.leaves(params))
+    remat = "" if any(f.name == "remat" for f in dataclasses.fields(model_cfg)) else \
+        "; its Config has no remat field: planned without remat"
+    return f"planning {name} {model_cfg!r}: {count:,} parameters, batch {batch[0]} × {batch[1]} tokens{remat}"
+
+
+def dropped_by_reason(dropped: dict[Candidate, str]) -> list[str]:
+    """``dropped`` counted by reason (its words before the first colon, a schedule's named once), each with one
+    example: ``"dropped 10: cannot run (e.g. tp tp4 fp32: at ['blocks'][0]['wk'] ...)"``."""
+    groups: dict[str, list[tuple[Candidate, str]]] = {}
+    for cand, why in dropped.items():
+        kind = "the schedule cannot be built" if why.startswith("schedule ") else why.split(":", 1)[0]
+        groups.setdefault(kind, []).append((cand, why))
+    lines = [f"dropped {len(dropped)}:" if dropped else "dropped none"]
+    for kind, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        cand, why = members[0]
+        example = why.split(":", 1)[1].strip() if ":" in why else why
+        lines.append(f"  {len(members):>5} {kind} (e.g. {cand}: {example[:200]})")
+    return lines
 
 
 _CANDIDATE_KEYS = ("layout", "mesh", "microbatches", "schedule", "remat", "precision")  # PlanConf's candidate
@@ -171,6 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``calibrate`` and ``validate`` as the first argument run those instead (module docstring).
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] != ["validate"] and {"-h", "--help"} & set(args):  # validate: its own options (argparse)
+        register()
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
+            print(usage(__doc__, compose("plan")))
+        return 0
     if args[:1] == ["calibrate"]:
         return _calibrate(args[1:])
     if args[:1] == ["validate"]:
@@ -184,8 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # and Hydra would take `mesh=dp8` for a choice of one
     given = [a for a in args if a.split("=", 1)[0] in _CANDIDATE_KEYS]
     try:
+        overrides = app_overrides([a for a in args if a not in given])
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name="plan"):
-            cfg = compose("plan", overrides=[a for a in args if a not in given])
+            cfg = own_model(compose("plan", overrides=overrides), overrides)
         cfg.merge_with_dotlist(given)
         print(run(cfg))
     except (ConfigError, HydraException, ValueError) as e:

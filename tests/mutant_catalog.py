@@ -386,6 +386,30 @@ MUTANTS: tuple[Mutant, ...] = (
            "an exact run's price does not grow with the blocks it runs on fake tensors",
            ("tests/shardings/planner/test_search.py::test_the_price_of_an_exact_run_grows_with_blocks_times_"
             "microbatches",)),
+    # -- the experiments' command lines and the planner on a researcher's model ------------------------------
+    Mutant("plan-fake-strided-shard-on-fake-tensors", "shardings/planner/fake_step.py",
+           "with mode, _strided_shard_sizes_on_ints():",
+           "with mode:",
+           "the planner's fake steps compute torch's strided-shard indices on fake tensors: every tp candidate of a "
+           "model with F.cross_entropy on vocab-sharded logits or an einsum over heads fails (data-dependent)",
+           ("tests/experiments/test_plan_cli.py::test_explain_runs_a_researchers_loss_under_tp_on_fake_tensors",)),
+    Mutant("launch-no-main-guard-check", "shardings/runtime/launch.py",
+           "    _check_main_guard()\n",
+           "",
+           "launch from an unguarded script's top level starts workers that re-run the script and die unexplained",
+           ("tests/shardings/runtime/test_launch.py::test_a_script_without_the_main_guard_is_told_before_any_process_"
+            "starts",)),
+    Mutant("equivalence-cli-first-layout-only", "experiments/equivalence.py",
+           "layouts=[s.layout for s in setups]",
+           "layouts=[first.layout]",
+           "the equivalence command line checks only the first of the layouts it was given",
+           ("tests/experiments/test_equivalence.py::test_several_layouts_in_one_call_against_one_reference_under_"
+            "bf16_and_its_twin",)),
+    Mutant("layout-auto-hydra-not-set-aside", "experiments/auto.py",
+           "    GlobalHydra.instance().clear()\n",
+           "",
+           "layout=auto composes its cluster inside the train app's running Hydra (GlobalHydra is already initialized)",
+           ("tests/experiments/test_plan_cli.py::test_layout_auto_trains_the_winner_as_the_docs_command_runs_it",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

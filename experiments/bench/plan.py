@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=16)
     args = parser.parse_args(argv)
-    from experiments.plan import load_cluster
+    from experiments.auto import load_cluster
 
     result = validate(load_cluster("this"), rows=args.rows, rounds=args.rounds, steps=args.steps)
     print(report(result))

@@ -43,8 +43,10 @@ from shardings.pipeline.stages import rank_stages
 from shardings.runtime.compat import (
     FakeStore,
     FakeTensorMode,
+    StridedShard,
     TorchDispatchMode,
     compute_local_shape_and_global_offset,
+    disable_current_modes,
 )
 from shardings.spec import layouts, lower
 from shardings.spec.errors import sharding_error
@@ -189,6 +191,28 @@ def _fake_params(model: Any, cfg: Any, layout: layouts.Layout, mesh: Mesh, mode:
     return params, axes
 
 
+@contextlib.contextmanager
+def _strided_shard_sizes_on_ints() -> Iterator[None]:
+    """torch's ``_StridedShard.local_shard_size_and_offset`` finds a rank's indices by ``torch.arange(...).tolist()``:
+    on fake tensors that reads data (``aten._local_scalar_dense``) and fails wherever a step's DTensors meet a strided
+    shard (an einsum over heads under tp, ``F.cross_entropy`` on vocab-sharded logits), though it runs on real ones.
+    Those indices are integers about shapes, not the step's data: when that fails, computed outside the fake mode."""
+    original = StridedShard.local_shard_size_and_offset
+
+    def sizes(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError:  # DataDependentOutputException
+            with disable_current_modes():
+                return original(self, *args, **kwargs)
+
+    StridedShard.local_shard_size_and_offset = sizes
+    try:
+        yield
+    finally:
+        StridedShard.local_shard_size_and_offset = original
+
+
 def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_rows: int,
             optimizer: Any = None, precision: Any = None, microbatches: int = 1, schedule: str | None = None,
             virtual_stages: int | None = None, stage_sizes: list[int] | None = None,
@@ -226,7 +250,7 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
         loss = rank_stages(model.stages(cfg), *ends) if layout.pipelined else _bound(model.loss, cfg)
         pipe = plan(layout, full, params, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                     stage_sizes=stage_sizes, blocks=loss.blocks) if layout.pipelined else None
-        with mode:
+        with mode, _strided_shard_sizes_on_ints():
             batch = model.example_batch(cfg, batch_rows)
             step = train_step(loss, optimizer, layout=layout, mesh=full, axes=axes, precision=precision, plan=pipe,
                               accum_steps=microbatches or 1, scalar_metrics=False, count_comms=False, donate=True)

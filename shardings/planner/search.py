@@ -72,11 +72,10 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
 
     start = _clock()
     rows, seq = batch_shape
-    cfg = dataclasses.replace(cfg, seq_len=seq)
+    cfg, space = _searchable(dataclasses.replace(cfg, seq_len=seq), space or Space(), cluster, candidates)
     optimizer = optimizer if optimizer is not None else core.optim.adamw(1e-3)
     if candidates is None:
-        candidates = enumerate_candidates(cluster.world, cfg, rows, seq, per_node=cluster.per_node,
-                                          space=space or Space())
+        candidates = enumerate_candidates(cluster.world, cfg, rows, seq, per_node=cluster.per_node, space=space)
     period = block_period(model, cfg)
     profiles = {}
     for precision, remat in {(c.precision, c.remat) for c in candidates}:
@@ -149,6 +148,29 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
             continue
         ranked.append(r)
     return Ranking(ranked, dropped, cluster, _clock() - start, len(candidates), predict, checked)
+
+
+def _searchable(cfg: Any, space: Space, cluster: Cluster, candidates: list[Candidate] | None) -> tuple[Any, Space]:
+    """What this model and cluster let the search try. A ``Config`` without a ``remat`` field is planned without
+    remat: it gets one fixed at ``False`` (a subclass; the model never reads it) so every fake step can set it. A
+    cluster whose ranks compute on the host's CPU cores (``cores`` set) has no separate host memory: no offload."""
+    if "remat" not in {f.name for f in dataclasses.fields(cfg)}:
+        wanted = sorted({str(c.remat) for c in candidates or [] if c.remat})
+        if wanted:
+            raise ValueError(f"remat={wanted[0]}: {type(cfg).__module__}.{type(cfg).__qualname__} has no remat field "
+                             "to recompute (or offload) its blocks with. Fix: remat=false, or give the Config a "
+                             "remat field its blocks honor.")
+        base = type(cfg)
+        frozen = base.__dataclass_params__.frozen
+        with_remat = dataclasses.make_dataclass(base.__name__, [("remat", Any, False)], bases=(base,), frozen=frozen)
+        with_remat.__module__, with_remat.__qualname__ = base.__module__, base.__qualname__
+        cfg = with_remat(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
+        space = dataclasses.replace(space, remat=(False,))
+    if cluster.cores is not None:
+        remat = tuple(r for r in space.remat if r != "offload") or (False,)
+        space = dataclasses.replace(space, offload=False, remat=remat)
+    return cfg, space
+
 
 
 def _profiles(model: Any, cfg: Any, cand: Candidate) -> dict:

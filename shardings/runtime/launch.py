@@ -15,6 +15,7 @@ steps for scripts that manage the group themselves.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import json
@@ -30,6 +31,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -194,6 +196,36 @@ def _worker(
         raise
 
 
+def _check_main_guard() -> None:
+    """Workers re-import the main script (as ``__mp_main__``, multiprocessing's spawn and forkserver): a ``launch``
+    reached from its top level without an ``if __name__ == "__main__":`` guard would run again in every worker, which
+    fails there ("rank 1 failed without a Python exception"). Seen here, before any process starts: the main
+    script's statement now running, found in its source, is not inside such an ``if``."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") ==
+                                     "__main__"):
+        frame = frame.f_back
+    path = frame and frame.f_code.co_filename
+    if not path or not os.path.exists(path):  # python -c, a notebook, stdin: nothing re-imported
+        return
+    try:
+        body = ast.parse(Path(path).read_text(), path).body
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    while body:  # down the statements that hold the running line
+        stmt = next((n for n in body if n.lineno <= line <= (n.end_lineno or n.lineno)), None)
+        if stmt is None or (isinstance(stmt, ast.If) and "__name__" in ast.unparse(stmt.test)):
+            return
+        body = [n for field in ("body", "orelse", "finalbody", "handlers") for n in getattr(stmt, field, [])]
+    raise sharding_error(
+        f"launch() is reached from the top level of {path} (line {line}) without an `if __name__ == \"__main__\":` "
+        "guard: each worker process re-imports that script and would launch again",
+        fix="put the script's top-level code that launches under `if __name__ == \"__main__\":`",
+        cls=RuntimeError,
+    )
+
+
 def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if main_file is not None and not os.path.exists(main_file):  # `python - < script`: workers re-run __main__
@@ -307,6 +339,7 @@ def launch(
         raise sharding_error(f"world_size must be a positive int, got {world_size!r}", fix="pass e.g. launch(fn, 4)")
     if _under_torchrun():
         return _run_here(fn, world_size, args, backend, timeout)
+    _check_main_guard()
     _check_picklable(fn, args)
     # Workers fork from one server process that imported torch once (a spawned worker pays ~5-20 s
     # of imports per launch); the server is clean (no threads, no CUDA) and ends with this process.

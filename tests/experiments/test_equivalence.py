@@ -1,5 +1,11 @@
 """The equivalence CLI: exit 0 on a correct layout, 1 naming the key path of a rank-dependent model, 2 on bad config."""
 
+import re
+
+import pytest
+import torch
+
+from experiments import equivalence
 from experiments.equivalence import main
 
 
@@ -34,3 +40,51 @@ def test_a_misspelled_logical_name_exits_2_with_that_message_alone(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: layout=dp+tp mesh={'dp': 2, 'tp': 2}: at ['blocks'][0]")
     assert "unknown logical name 'mpl' (of the names ('embed', 'mpl')): did you mean 'mlp'?" in err
+
+
+def _spy(monkeypatch) -> list[dict]:
+    """Record each check_equivalence call's keywords (and still run it)."""
+    calls = []
+    real = equivalence.check_equivalence
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(equivalence, "check_equivalence", spy)
+    return calls
+
+
+def test_several_layouts_in_one_call_against_one_reference_under_bf16_and_its_twin(capsys, monkeypatch):
+    """``-m layout=dp,zero3`` (the sweep spelling) and ``layouts=[...]`` check every layout in one call, one
+    reference run; ``precision=bf16`` checks each under bf16 and its fp32 twin, as check_equivalence does."""
+    calls = _spy(monkeypatch)
+    assert main(["-m", "model=mlp", "layout=dp,zero3", "mesh=dp2", "steps=1", "precision=bf16"]) == 0
+    out = capsys.readouterr().out
+    (call,) = calls
+    assert [x.name for x in call["layouts"]] == ["dp", "zero3"] and call["precision"].compute_dtype == torch.bfloat16
+    assert out.startswith("mlp under 'dp', 'zero3' on Mesh(dp=2), torch.bfloat16 compute (and its fp32 twin), 1 steps")
+    for name in ("dp", "zero3", "dp@fp32", "zero3@fp32"):
+        assert re.search(rf"^{re.escape(name)} +1 grads ", out, re.M), name
+    assert main(["model=mlp", "layouts=[dp,zero3+tp]", "mesh=dp2"]) == 2  # each layout built and checked
+    assert "layout=zero3+tp" in capsys.readouterr().err and len(calls) == 1
+
+
+def test_run_options_that_cannot_go_together_exit_2_naming_the_fix(capsys):
+    assert main(["model=mlp", "layout=dp", "mesh=dp2", "jit=true"]) == 2
+    assert "Fix: add runtime=multiprocess" in capsys.readouterr().err
+    assert main(["model=mlp", "layouts=[dp,dp+pp]", "mesh=dp2_pp2", "pipeline.microbatches=2"]) == 2
+    assert "microbatches a step" in capsys.readouterr().err
+    assert main(["model=mlp", "layout=dp", "mesh=dp2", "runtime=torchrun"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_real_processes_and_the_compiled_step_from_the_command_line(capsys, monkeypatch):
+    """``runtime=multiprocess jit=true``: check_equivalence on real gloo ranks, compiled (the researcher's model:
+    RoPE from arange, F.cross_entropy), both layouts in one launch."""
+    calls = _spy(monkeypatch)
+    assert main(["model.name=tests.experiments.llama_gqa", "layouts=[dp,zero3]", "mesh=dp2", "steps=1",
+                 "runtime=multiprocess", "jit=true", "jit_backend=aot_eager"]) == 0
+    (call,) = calls
+    assert call["runtime"] == "multiprocess" and call["jit"] is True and call["jit_backend"] == "aot_eager"
+    assert "real processes, compiled, 1 steps vs one device" in capsys.readouterr().out

@@ -125,3 +125,38 @@ def test_init_from_env_outside_torchrun_is_a_clear_error(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RuntimeError, match=r"missing .*Fix: start the script with torchrun"):
         init_from_env()
+
+
+_UNGUARDED = '''
+import models
+import shardings
+from shardings.testing import check_equivalence
+
+cfg = models.mlp.Config(layers=1, dim=8, mlp=16, seq_len=4)
+{launch}
+'''
+_CHECK = ("check_equivalence(models.mlp.init, models.mlp.loss, models.mlp.axes, cfg, models.mlp.example_batch(cfg, 4), "
+          "layouts=['dp'], mesh=shardings.Mesh(dp=2), steps=1, runtime='multiprocess')")
+
+
+@pytest.mark.parametrize("launch_line, fails", [
+    (_CHECK, True),  # the API's multiprocess runtime from a script's top level: workers would re-run the script
+    (f"for _ in range(1):\n    {_CHECK}", True),
+    (f"if __name__ == '__main__':\n    try:\n        print('ok' if {_CHECK}.ok else 'bad')\n    finally:\n        pass",
+     False),
+])
+def test_a_script_without_the_main_guard_is_told_before_any_process_starts(tmp_path, launch_line, fails):
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(_UNGUARDED.format(launch=launch_line))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if fails:
+        assert proc.returncode == 1 and "launch" not in proc.stdout
+        assert f"launch() is reached from the top level of {script}" in proc.stderr
+        assert 'Fix: put the script\'s top-level code that launches under `if __name__ == "__main__":`' in proc.stderr
+        assert "failed without a Python exception" not in proc.stderr  # no worker was started
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
