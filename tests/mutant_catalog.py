@@ -354,6 +354,14 @@ MUTANTS: tuple[Mutant, ...] = (
             "recompiles_and_equals_its_eager_twin",
             # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
+    # -- real-rank pipelines: the message templates (simulated => real) -----------------------------------------
+    Mutant("wire-templates-on-meta", "shardings/pipeline/wire.py",
+           "    return next(found, torch.device(\"cpu\"))",
+           "    return torch.device(\"meta\")",
+           "the real-rank pipeline's message templates run the stages on meta tensors: a constant the model makes "
+           "(rotary tables from torch.arange) meets them and the step crashes where simulated ranks passed",
+           ("tests/shardings/pipeline/test_wire.py::test_templates_run_constants_the_stages_make_and_blocks_held_by_"
+            "other_ranks",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

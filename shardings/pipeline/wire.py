@@ -2,10 +2,12 @@
 
 A message (a carry, or its gradient) travels as one byte buffer: its tensors' bytes concatenated, so a
 pytree carry of mixed dtypes (``(x, aux_losses)``) is still one ``isend``. The receiver knows the layout
-beforehand from a shape-only (meta device) run of the stages on the first microbatch, so nothing but
-the payload crosses the wire. That run costs about as much as a forward of the whole model in Python
-(meta kernels): ~0.27 s for the bench's 8-block gpt, a fifth of a step; it is cached per stages object, split,
-layout and the shapes and dtypes of the parameters and the microbatch, so a training loop pays it once.
+beforehand from a shape-only run of the stages on the first microbatch (fake tensors of the real tensors' device,
+so a constant the model makes inside its loss, ``torch.arange`` rotary tables or a ``torch.ones(s, s)`` mask, meets
+tensors of its own device as in the real run), so nothing but the payload crosses the wire. That run costs about as
+much as a forward of the whole model in Python (meta kernels): ~0.27 s for the bench's 8-block gpt, a fifth of a
+step; it is cached per stages object, split, layout and the shapes and dtypes of the parameters and the microbatch,
+so a training loop pays it once.
 Sends are non-blocking (``isend``, awaited once a message from the peers proves them delivered, which frees
 their buffers: :mod:`shardings.pipeline.delivery`; the rest at the end of the step) and a receive is posted when the
 program reaches it, as ``torch.distributed.pipelining`` does: gloo writes a message in the sending thread when its
@@ -31,7 +33,7 @@ from shardings.pipeline.delivery import delivered_by
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
 from shardings.runtime import watchdog
-from shardings.runtime.compat import compute_local_shape_and_global_offset, pytree
+from shardings.runtime.compat import FakeTensorMode, compute_local_shape_and_global_offset, pytree
 
 __all__ = ["Message", "Template", "Wire", "cached_templates", "templates"]
 
@@ -78,9 +80,19 @@ class Template:
         return pytree.tree_unflatten(out, self.spec)
 
 
-def _meta(tree: Any) -> Any:
-    """Plain meta tensors of the global shapes (a DTensor's too)."""
-    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+def _device(*trees: Any) -> torch.device:
+    """The device the stages compute on: the first tensor's that is not meta (a real rank holds the blocks of
+    other ranks' stages as meta placeholders), else the CPU."""
+    found = (x.device for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor) and x.device.type != "meta")
+    return next(found, torch.device("cpu"))
+
+
+def _fake(tree: Any, device: torch.device) -> Any:
+    """Plain fake tensors of the global shapes (a DTensor's too) on ``device`` (call inside a
+    :class:`FakeTensorMode`): a constant the stages create (CPU by default) then meets tensors of the device it
+    meets in the real run, where meta tensors refused it (``Tensor on device cpu is not on the expected device
+    meta``)."""
+    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device)
                            if isinstance(x, torch.Tensor) else x, tree)
 
 
@@ -88,17 +100,19 @@ def templates(stages: Stages, split: Split, params: Any, microbatch: Any,
               placements: Callable[[Any], list[Any]] | None = None, device_mesh: Any = None) -> list[Template]:
     """``out[s]``: the message between stage ``s`` and ``s + 1`` (a forward carry; its gradient has its layout).
 
-    ``stages`` run on meta tensors of the global shapes (outside any layout); ``placements(carry)``, when given,
+    ``stages`` run on fake tensors of the global shapes (outside any layout; constants made outside the mode, such
+    as a module-level table, are allowed as they are on every other path); ``placements(carry)``, when given,
     lays each carry leaf out on ``device_mesh`` (a stage mesh): then messages hold local blocks.
     """
-    params, out = _meta(params), []
-    with torch.no_grad():
-        carry = stages.first(params, _meta(microbatch))
+    carries, device = [], _device(microbatch, params)
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        params = _fake(params, device)
+        carry = stages.first(params, _fake(microbatch, device))
         for blocks in split.ranges[:-1]:
             for i in blocks:
                 carry = stages.block(params[stages.blocks][i], carry, i)
-            out.append(Template(carry, placements(carry) if placements else None, device_mesh))
-    return out
+            carries.append(carry)
+    return [Template(c, placements(c) if placements else None, device_mesh) for c in carries]
 
 
 def _signature(tree: Any) -> tuple[Any, ...]:
