@@ -31,7 +31,7 @@ class Config:
 
 def init(key, cfg):
     hd = cfg.dim // cfg.heads
-    normal = lambda k, *shape: core.random.normal(k, shape) * shape[0] ** -0.5  # noqa: E731
+    normal = lambda k, *shape: core.random.normal(k, shape) * shape[0] ** -0.5
     k_tok, k_head, k_blocks = core.random.split(key, 3)
     blocks = []
     for i in range(cfg.layers):
