@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardings.pipeline.delivery import delivered_by
 from shardings.pipeline.schedule import Action, Schedule
@@ -63,8 +63,22 @@ class Template:
         self.nbytes = sum(s.numel() * d.itemsize for s, d in self.shapes)
 
     def pack(self, payload: Any) -> torch.Tensor:
-        leaves = [x.to_local() if isinstance(x, DTensor) else x for x in pytree.tree_leaves(payload)]
+        leaves = [x.to_local() if isinstance(x, DTensor) else x for x in self.conform(pytree.tree_leaves(payload))]
         return torch.cat([x.detach().contiguous().reshape(-1).view(torch.uint8) for x in leaves])
+
+    def conform(self, leaves: list[Any]) -> list[Any]:
+        """``leaves`` laid out as this message travels: a carry leaf whose layout is not its ``carry_names``' (an aux
+        loss from ``torch.zeros(b)``, replicated where the names say ``("batch",)``), or an input gradient that came
+        out ``Partial``, is redistributed first (a plain tensor counts as replicated), so sender and receiver agree
+        on every block's bytes."""
+        if self.placements is None:
+            return leaves
+        out = []
+        for x, pl in zip(leaves, self.placements):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, self.device_mesh, [Replicate()] * self.device_mesh.ndim, run_check=False)
+            out.append(x if tuple(x.placements) == tuple(pl) else x.redistribute(self.device_mesh, pl))
+        return out
 
     def unpack(self, buf: torch.Tensor) -> Any:
         out, at = [], 0
@@ -139,6 +153,15 @@ def cached_templates(stages: Stages, split: Split, params: Any, microbatch: Any,
     return mine[key]
 
 
+def _laid_out(g: Any, placements: Any) -> Any:
+    """``g`` with ``placements`` (``None``: a plain tensor, as the output it is the gradient of was)."""
+    if not isinstance(g, DTensor):
+        return g
+    if placements is None:
+        return g.full_tensor()
+    return g if tuple(g.placements) == tuple(placements) else g.redistribute(g.device_mesh, placements)
+
+
 class Wire:
     """One rank's sends and receives (the runner's transport on real processes)."""
 
@@ -149,6 +172,7 @@ class Wire:
         self.sends: dict[Action, tuple[Any, torch.Tensor]] = {}  # in flight: the send's work and buffer
         self.delivered = delivered_by(schedule, rank)
         self.p2p: list[Any] = []
+        self.sent_as: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> its sent output leaves' placements
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.schedule.rank_of(stage))
@@ -175,7 +199,12 @@ class Wire:
                                f"({type(e).__name__}: {e})") from e
         for sent in self.delivered.get(Action(f"RECV_{kind}", stage, mb), ()):  # known received: free their buffers
             self.sends.pop(sent)[0].wait()
-        return self.layouts[boundary].unpack(buf)
+        payload = self.layouts[boundary].unpack(buf)
+        if kind == "B":  # the output's gradient in the layout the output had (conform() may have changed it to send)
+            leaves, spec = pytree.tree_flatten(payload)
+            payload = pytree.tree_unflatten([_laid_out(g, pl) for g, pl in zip(leaves, self.sent_as.pop((stage, mb)))],
+                                            spec)
+        return payload
 
     def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:
         boundary = stage if kind == "F" else stage - 1
@@ -184,6 +213,9 @@ class Wire:
             self.local[(kind, to, mb)] = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
                                                          payload)
             return
+        if kind == "F":
+            self.sent_as[(stage, mb)] = [x.placements if isinstance(x, DTensor) else None
+                                         for x in pytree.tree_leaves(payload)]
         flat = self.layouts[boundary].pack(payload)
         self.p2p.append(Message(kind, stage, mb, flat.numel()))
         self.sends[Action(f"SEND_{kind}", stage, mb)] = (
