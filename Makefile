@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 EXPLORE_SECONDS ?= 600
 MUTANTS_ARGS ?=
 
-.PHONY: install test lint clean train lock test-latest test-torch211 test-explore mutants drill
+.PHONY: install test lint clean train lock test-latest test-torch211 test-explore test-zoo mutants drill
 
 install: $(VENV)/.installed
 
@@ -76,6 +76,11 @@ test-explore: install
 	HYPOTHESIS_PROFILE=explore timeout --signal=INT $(EXPLORE_SECONDS) \
 	  $(BIN)/python -m pytest -m hypothesis $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 124 ] || [ $$rc -eq 130 ]; then echo "explore: time limit ($(EXPLORE_SECONDS) s) reached"; exit 0; fi; exit $$rc
+
+# The zoo's whole matrix (tests/zoo): every model x layout family x feature, where `make test` runs a sample that
+# covers each model, family and feature once (docs/models.md#the-zoo-researchers-models-through-every-feature).
+test-zoo: install
+	SHARDLAB_ZOO=full $(BIN)/python -m pytest tests/zoo $(PYTEST_ARGS)
 
 # Mutation drill: plant each bug listed in tests/mutant_catalog.py in a copy of the tree, run the tests meant to catch it,
 # print the kill rate; fails on a survivor not in EQUIVALENT. MUTANTS_ARGS="--only ID ..." or "--list".

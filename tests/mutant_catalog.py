@@ -410,6 +410,21 @@ MUTANTS: tuple[Mutant, ...] = (
            "",
            "layout=auto composes its cluster inside the train app's running Hydra (GlobalHydra is already initialized)",
            ("tests/experiments/test_plan_cli.py::test_layout_auto_trains_the_winner_as_the_docs_command_runs_it",)),
+    # -- real-rank pipelines: the message templates (simulated => real) -----------------------------------------
+    Mutant("wire-templates-on-meta", "shardings/pipeline/wire.py",
+           "    return next(found, torch.device(\"cpu\"))",
+           "    return torch.device(\"meta\")",
+           "the real-rank pipeline's message templates run the stages on meta tensors: a constant the model makes "
+           "(rotary tables from torch.arange) meets them and the step crashes where simulated ranks passed",
+           ("tests/shardings/pipeline/test_wire.py::test_templates_run_constants_the_stages_make_and_blocks_held_by_"
+            "other_ranks",)),
+    Mutant("wire-sends-carry-as-it-came", "shardings/pipeline/wire.py",
+           "        if self.placements is None:\n            return leaves\n        out = []",
+           "        if True:\n            return leaves\n        out = []",
+           "a real-rank pipeline message is packed in the layout its carry came in, not its carry_names' (a replicated "
+           "aux loss, a Partial input gradient): the receiver reads other bytes than were sent",
+           ("tests/shardings/pipeline/test_wire.py::test_a_message_is_laid_out_as_its_template_says_whatever_layout_"
+            "the_carry_came_in",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

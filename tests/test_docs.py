@@ -50,7 +50,7 @@ def test_the_models_worked_example_is_the_module_the_tests_import():
     """docs/models.md shows the encoder the checker's tests use: one source, two places, kept identical."""
     text = (ROOT / "docs" / "models.md").read_text()
     found = _EXAMPLE.search(text)
-    assert found, "docs/models.md lost its <!-- encoder: tests/models/encoder.py --> block"
+    assert found, "docs/models.md lost its <!-- encoder: tests/zoo/encoder.py --> block"
     source = (ROOT / found.group(1)).read_text()
     code = source[source.index('"""', 3) + 3:].lstrip("\n")  # below the module docstring
     assert found.group(2) == code, (

@@ -2,10 +2,12 @@
 
 A message (a carry, or its gradient) travels as one byte buffer: its tensors' bytes concatenated, so a
 pytree carry of mixed dtypes (``(x, aux_losses)``) is still one ``isend``. The receiver knows the layout
-beforehand from a shape-only (meta device) run of the stages on the first microbatch, so nothing but
-the payload crosses the wire. That run costs about as much as a forward of the whole model in Python
-(meta kernels): ~0.27 s for the bench's 8-block gpt, a fifth of a step; it is cached per stages object, split,
-layout and the shapes and dtypes of the parameters and the microbatch, so a training loop pays it once.
+beforehand from a shape-only run of the stages on the first microbatch (fake tensors of the real tensors' device,
+so a constant the model makes inside its loss, ``torch.arange`` rotary tables or a ``torch.ones(s, s)`` mask, meets
+tensors of its own device as in the real run), so nothing but the payload crosses the wire. That run costs about as
+much as a forward of the whole model in Python (meta kernels): ~0.27 s for the bench's 8-block gpt, a fifth of a
+step; it is cached per stages object, split, layout and the shapes and dtypes of the parameters and the microbatch,
+so a training loop pays it once.
 Sends are non-blocking (``isend``, awaited once a message from the peers proves them delivered, which frees
 their buffers: :mod:`shardings.pipeline.delivery`; the rest at the end of the step) and a receive is posted when the
 program reaches it, as ``torch.distributed.pipelining`` does: gloo writes a message in the sending thread when its
@@ -25,13 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardings.pipeline.delivery import delivered_by
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
 from shardings.runtime import watchdog
-from shardings.runtime.compat import compute_local_shape_and_global_offset, pytree
+from shardings.runtime.compat import FakeTensorMode, compute_local_shape_and_global_offset, pytree
 
 __all__ = ["Message", "Template", "Wire", "cached_templates", "templates"]
 
@@ -61,8 +63,22 @@ class Template:
         self.nbytes = sum(s.numel() * d.itemsize for s, d in self.shapes)
 
     def pack(self, payload: Any) -> torch.Tensor:
-        leaves = [x.to_local() if isinstance(x, DTensor) else x for x in pytree.tree_leaves(payload)]
+        leaves = [x.to_local() if isinstance(x, DTensor) else x for x in self.conform(pytree.tree_leaves(payload))]
         return torch.cat([x.detach().contiguous().reshape(-1).view(torch.uint8) for x in leaves])
+
+    def conform(self, leaves: list[Any]) -> list[Any]:
+        """``leaves`` laid out as this message travels: a carry leaf whose layout is not its ``carry_names``' (an aux
+        loss from ``torch.zeros(b)``, replicated where the names say ``("batch",)``), or an input gradient that came
+        out ``Partial``, is redistributed first (a plain tensor counts as replicated), so sender and receiver agree
+        on every block's bytes."""
+        if self.placements is None:
+            return leaves
+        out = []
+        for x, pl in zip(leaves, self.placements):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, self.device_mesh, [Replicate()] * self.device_mesh.ndim, run_check=False)
+            out.append(x if tuple(x.placements) == tuple(pl) else x.redistribute(self.device_mesh, pl))
+        return out
 
     def unpack(self, buf: torch.Tensor) -> Any:
         out, at = [], 0
@@ -78,9 +94,19 @@ class Template:
         return pytree.tree_unflatten(out, self.spec)
 
 
-def _meta(tree: Any) -> Any:
-    """Plain meta tensors of the global shapes (a DTensor's too)."""
-    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+def _device(*trees: Any) -> torch.device:
+    """The device the stages compute on: the first tensor's that is not meta (a real rank holds the blocks of
+    other ranks' stages as meta placeholders), else the CPU."""
+    found = (x.device for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor) and x.device.type != "meta")
+    return next(found, torch.device("cpu"))
+
+
+def _fake(tree: Any, device: torch.device) -> Any:
+    """Plain fake tensors of the global shapes (a DTensor's too) on ``device`` (call inside a
+    :class:`FakeTensorMode`): a constant the stages create (CPU by default) then meets tensors of the device it
+    meets in the real run, where meta tensors refused it (``Tensor on device cpu is not on the expected device
+    meta``)."""
+    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device=device)
                            if isinstance(x, torch.Tensor) else x, tree)
 
 
@@ -88,17 +114,19 @@ def templates(stages: Stages, split: Split, params: Any, microbatch: Any,
               placements: Callable[[Any], list[Any]] | None = None, device_mesh: Any = None) -> list[Template]:
     """``out[s]``: the message between stage ``s`` and ``s + 1`` (a forward carry; its gradient has its layout).
 
-    ``stages`` run on meta tensors of the global shapes (outside any layout); ``placements(carry)``, when given,
+    ``stages`` run on fake tensors of the global shapes (outside any layout; constants made outside the mode, such
+    as a module-level table, are allowed as they are on every other path); ``placements(carry)``, when given,
     lays each carry leaf out on ``device_mesh`` (a stage mesh): then messages hold local blocks.
     """
-    params, out = _meta(params), []
-    with torch.no_grad():
-        carry = stages.first(params, _meta(microbatch))
+    carries, device = [], _device(microbatch, params)
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        params = _fake(params, device)
+        carry = stages.first(params, _fake(microbatch, device))
         for blocks in split.ranges[:-1]:
             for i in blocks:
                 carry = stages.block(params[stages.blocks][i], carry, i)
-            out.append(Template(carry, placements(carry) if placements else None, device_mesh))
-    return out
+            carries.append(carry)
+    return [Template(c, placements(c) if placements else None, device_mesh) for c in carries]
 
 
 def _signature(tree: Any) -> tuple[Any, ...]:
@@ -125,6 +153,15 @@ def cached_templates(stages: Stages, split: Split, params: Any, microbatch: Any,
     return mine[key]
 
 
+def _laid_out(g: Any, placements: Any) -> Any:
+    """``g`` with ``placements`` (``None``: a plain tensor, as the output it is the gradient of was)."""
+    if not isinstance(g, DTensor):
+        return g
+    if placements is None:
+        return g.full_tensor()
+    return g if tuple(g.placements) == tuple(placements) else g.redistribute(g.device_mesh, placements)
+
+
 class Wire:
     """One rank's sends and receives (the runner's transport on real processes)."""
 
@@ -135,6 +172,7 @@ class Wire:
         self.sends: dict[Action, tuple[Any, torch.Tensor]] = {}  # in flight: the send's work and buffer
         self.delivered = delivered_by(schedule, rank)
         self.p2p: list[Any] = []
+        self.sent_as: dict[tuple[int, int], list[Any]] = {}  # (stage, mb) -> its sent output leaves' placements
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.schedule.rank_of(stage))
@@ -161,7 +199,12 @@ class Wire:
                                f"({type(e).__name__}: {e})") from e
         for sent in self.delivered.get(Action(f"RECV_{kind}", stage, mb), ()):  # known received: free their buffers
             self.sends.pop(sent)[0].wait()
-        return self.layouts[boundary].unpack(buf)
+        payload = self.layouts[boundary].unpack(buf)
+        if kind == "B":  # the output's gradient in the layout the output had (conform() may have changed it to send)
+            leaves, spec = pytree.tree_flatten(payload)
+            payload = pytree.tree_unflatten([_laid_out(g, pl) for g, pl in zip(leaves, self.sent_as.pop((stage, mb)))],
+                                            spec)
+        return payload
 
     def send(self, kind: str, stage: int, mb: int, payload: Any) -> None:
         boundary = stage if kind == "F" else stage - 1
@@ -170,6 +213,9 @@ class Wire:
             self.local[(kind, to, mb)] = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x,
                                                          payload)
             return
+        if kind == "F":
+            self.sent_as[(stage, mb)] = [x.placements if isinstance(x, DTensor) else None
+                                         for x in pytree.tree_leaves(payload)]
         flat = self.layouts[boundary].pack(payload)
         self.p2p.append(Message(kind, stage, mb, flat.numel()))
         self.sends[Action(f"SEND_{kind}", stage, mb)] = (

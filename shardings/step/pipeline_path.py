@@ -53,7 +53,7 @@ from shardings.spec.context import use
 from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.placeholder import resolve
-from shardings.spec.rules import logical_to_spec
+from shardings.spec.rules import is_names, logical_to_spec
 from shardings.step import batching, ownership
 from shardings.step.context import GradContext, ParamPlan
 from shardings.step.ownership import absent
@@ -134,7 +134,7 @@ class _CarryPlacements(NamedTuple):
     mesh: Mesh
 
     def __call__(self, carry: Any) -> list[Any]:
-        names = tree.leaves(self.stages.carry_names(carry), is_leaf=lambda n: isinstance(n, tuple))
+        names = tree.leaves(self.stages.carry_names(carry), is_leaf=is_names)  # a tuple of tuples is a tree
         rules = self.layout.role("activations")
         return [lower.to_placements(logical_to_spec(n, rules, self.mesh), self.mesh, x.ndim)
                 for n, x in zip(names, tree.leaves(carry))]

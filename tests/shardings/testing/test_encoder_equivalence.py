@@ -1,5 +1,5 @@
 """The checker on a model the repository does not otherwise use: the BERT-style encoder of docs/models.md
-(``tests/models/encoder.py``), with a key bias whose gradient is exactly zero.
+(``tests/zoo/encoder.py``), with a key bias whose gradient is exactly zero.
 
 It neither cries wolf (honest runs pass under every layout the issue tried, in fp32, and a subset under bf16)
 nor sleeps (planted 1% errors fail: in a small but nonzero gradient in fp32, and in the forward and in one
@@ -21,7 +21,7 @@ import core
 from core.precision import Policy
 from shardings import Mesh
 from shardings.testing import EquivalenceError, check_equivalence
-from tests.models import encoder as enc
+from tests.zoo import encoder as enc
 
 CFG = enc.Config(vocab=32, seq_len=4, dim=16, heads=2, mlp=32, layers=2)
 BATCH = enc.example_batch(CFG, 4)

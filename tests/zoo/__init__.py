@@ -1,0 +1,157 @@
+"""The zoo: models written the way researchers write them, independent of ``models/``, run through every feature.
+
+Each module (``tests.zoo.<name>``) has the model contract of docs/models.md: ``Config``, ``init``, ``axes``, ``loss``,
+``stages`` and ``example_batch``. This file is the matrix as data: which layout families each model runs, which
+features each cell is checked with, and the combinations a model cannot run, each with the error it gives (tested:
+``tests/zoo/test_zoo_simulated.py``). docs/models.md shows it as a table (``zoo_table()``, kept in sync by a test).
+
+The suite's form (``make test``) runs a deterministic sample of the cells that covers every model, every layout
+family and every feature at least once (:func:`sample`); ``SHARDLAB_ZOO=full`` (``make test-zoo``) or
+``HYPOTHESIS_PROFILE=explore`` runs every cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import random
+from typing import Any
+
+from shardings import LaunchError
+from shardings.testing import EquivalenceError
+
+MODELS = ("llama_gqa", "gpt2", "encoder", "vit", "moe_top2", "gated_conv")
+
+# family -> (layout, mesh sizes, pipeline schedule): pp families under a zero-bubble schedule (ZB-V: 2 stages a rank)
+LAYOUTS: dict[str, tuple[str, dict[str, int], str | None]] = {
+    "dp": ("dp", {"dp": 2}, None),
+    "zero3": ("zero3", {"dp": 2}, None),
+    "tp+sp": ("tp+sp", {"tp": 2}, None),
+    "zero3+tp+sp": ("zero3+tp+sp", {"dp": 2, "tp": 2}, None),
+    "cp": ("cp", {"cp": 2}, None),
+    "ep": ("ep", {"ep": 2}, None),
+    "dp+pp": ("dp+pp", {"dp": 2, "pp": 2}, "zb_h1"),
+    "zero3+tp+pp": ("zero3+tp+pp", {"dp": 2, "tp": 2, "pp": 2}, "zb_v"),
+}
+
+# feature -> what a cell checks
+FEATURES = {
+    "simulated": "check_equivalence on simulated ranks, fp32, 2 SGD steps",
+    "bf16": "check_equivalence on simulated ranks under Policy.bf16_mixed(), and its fp32 twin, 1 AdamW step",
+    "real": "check_equivalence on real processes (gloo), fp32, 1 AdamW step",
+    "jit": "check_equivalence of train_step(jit=True) on real processes (aot_eager), 1 AdamW step",
+    "train": "experiments.train's training loop (model.name=tests.zoo.<m>) on real processes, 2 steps",
+    "resume": "a checkpoint saved after step 1 under the cell's layout, resumed under another, equal to the "
+              "uninterrupted run after step 2",
+}
+
+# model -> why a family is not a column of its row (not an error: the layout has nothing to split there)
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    **{(m, "ep"): "no expert weights: ep would split only the batch (dp)" for m in MODELS if m != "moe_top2"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """A combination a model cannot run: the exception it raises, a fragment of its message, and why."""
+
+    error: type[BaseException]
+    match: str
+    why: str
+    tested: bool = True  # False: it does not fail the same way every run; the reason says which cell tests it
+
+
+_BYTES = ("experiments.train feeds packed byte text (tokens and next-token labels of vocab 256, data.py); "
+          "a model of other inputs trains through the API (shardings.train_step), as its other columns do")
+
+_GPT2_REAL_PP = ("on real processes the tied embedding's gradient is wrong (1e10..1e35, uninitialized-looking; "
+                 "the train loop stops at step 2 or 3 with NonFiniteGradError) and the blocks' residual biases update "
+                 "wrongly, where simulated ranks pass the same cell and models.gpt (tied) passes it on real ones; "
+                 "not from the indexing embedding nor the transposed head (both replaced: still fails): open")
+
+# (model, family, feature) -> the error; family "*" for every family of the model's row. An equivalence cell's error
+# is EquivalenceError (check_equivalence's), its match a fragment of the failing report.
+DECLARED: dict[tuple[str, str, str], Declared] = {
+    ("encoder", "*", "train"): Declared(IndexError, "index out of range", "a [CLS] classifier with its own vocab "
+                                        "of 64 gets byte ids up to 255: " + _BYTES),
+    ("vit", "*", "train"): Declared(AttributeError, "has no attribute 'seq_len'", "an image model has no "
+                                    "sequence length for the text pipeline: " + _BYTES),
+    ("gpt2", "zero3+tp+pp", "real"): Declared(EquivalenceError, "FAIL", _GPT2_REAL_PP),
+    ("gpt2", "zero3+tp+pp", "jit"): Declared(EquivalenceError, "FAIL", _GPT2_REAL_PP),
+    ("gpt2", "zero3+tp+pp", "train"): Declared(
+        LaunchError, "NonFiniteGradError", _GPT2_REAL_PP + " (the train cell fails at step 2 or 3 in 3 runs of 4: "
+        "the real cell tests the gap)", tested=False),
+}
+
+
+def module(name: str) -> Any:
+    return importlib.import_module(f"tests.zoo.{name}")
+
+
+def families(model: str) -> list[str]:
+    return [f for f in LAYOUTS if (model, f) not in NOT_APPLICABLE]
+
+
+def declared(model: str, family: str, feature: str) -> Declared | None:
+    return DECLARED.get((model, family, feature)) or DECLARED.get((model, "*", feature))
+
+
+def cells() -> list[tuple[str, str, str]]:
+    """Every ``(model, family, feature)`` of the matrix."""
+    return [(m, f, x) for m in MODELS for f in families(m) for x in FEATURES]
+
+
+def sample(seed: int = 0) -> list[tuple[str, str, str]]:
+    """A deterministic subset of :func:`cells` covering every model, family and feature at least once: cells drawn in
+    a seeded order, a cell kept when it covers something not yet covered, 8-rank cells (the costliest) only for
+    what nothing cheaper covers."""
+    order = [c for c in cells() if not declared(*c)]
+    random.Random(seed).shuffle(order)
+    order.sort(key=_cost)  # stable: cheap cells first, cells of one cost in the seeded order
+    kept, seen = [], set()
+    for cell in order:
+        new = {("model", cell[0]), ("family", cell[1]), ("feature", cell[2])} - seen
+        if new:
+            kept.append(cell)
+            seen |= new
+    return kept
+
+
+def selected() -> list[tuple[str, str, str]]:
+    """The cells this run checks: all of them under ``SHARDLAB_ZOO=full`` or the explore profile, else
+    :func:`sample`."""
+    full = os.environ.get("SHARDLAB_ZOO") == "full" or os.environ.get("HYPOTHESIS_PROFILE") == "explore"
+    return cells() if full else sample()
+
+
+# a feature's rough cost (seconds of a cell here), and an 8-rank mesh's factor
+_COST = {"simulated": 1, "bf16": 2, "resume": 2, "real": 3, "train": 3, "jit": 6}
+
+
+def _cost(cell: tuple[str, str, str]) -> int:
+    ranks = 1
+    for n in LAYOUTS[cell[1]][1].values():
+        ranks *= n
+    return _COST[cell[2]] * (4 if ranks > 4 else 1) * (2 if LAYOUTS[cell[1]][2] else 1)
+
+
+def config(model: str, family: str) -> Any:
+    """The cell's model config: the module's defaults, 4 blocks under ZB-V (2 stages on each of 2 ranks)."""
+    cfg = module(model).Config()
+    return dataclasses.replace(cfg, layers=4) if LAYOUTS[family][2] == "zb_v" else cfg
+
+
+def zoo_table() -> str:
+    """docs/models.md's zoo table: models × layout families, with what each cell runs or the error it declares."""
+    lines = ["| model | " + " | ".join(f"`{f}`" for f in LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS)]
+    for m in MODELS:
+        row = []
+        for f in LAYOUTS:
+            if (m, f) in NOT_APPLICABLE:
+                row.append("—")
+                continue
+            errs = [x for x in FEATURES if declared(m, f, x)]
+            row.append("✓" + "".join(f" ({x}: `{declared(m, f, x).error.__name__}`)" for x in errs))
+        lines.append(f"| `{m}` | " + " | ".join(row) + " |")
+    return "\n".join(lines)
