@@ -60,6 +60,7 @@ __all__ = [
     "PipelineConf",
     "PrecisionConf",
     "RuntimeConf",
+    "SweepConf",
     "TrainConf",
     "app_overrides",
     "own_model",
@@ -126,6 +127,7 @@ class CheckpointConf:
     every: int = 0  # save the whole train state every N steps (and at the last step); 0 = off
     dir: str | None = None  # null -> <run dir>/checkpoints; set it so a restarted job (new run dir) finds it
     keep: int = 3  # keep the newest k checkpoints
+    allow_changes: bool = False  # resume even though a training-defining key differs (experiments.resume)
 
 
 @dataclass
@@ -155,6 +157,13 @@ class OffloadConf:
     optimizer: bool = False  # optimizer state, and its update runs on the host (ZeRO-Offload): +offload_optimizer
     params: bool = False  # parameters between steps: +offload_params
     activations: bool = False  # activations saved for backward (the model's remat="offload")
+
+
+@dataclass
+class SweepConf:
+    """How a sweep (``-m``) ends: nonzero when a job failed or was skipped (``experiments.sweep``)."""
+
+    allow_skipped: bool = False  # true: skipped jobs (impossible combinations of a grid) do not fail the sweep
 
 
 # `_self_` first: the group members override the dataclass fields' placeholder defaults.
@@ -191,6 +200,8 @@ class TrainConf:
     seed: int = 0  # parameter init key
     progress: bool = True  # show progress (rank 0): a bar on a terminal, plain lines in a file or log
     progress_every: int = 0  # steps between plain lines when not on a terminal; 0: about 20 lines per run
+    tracker: bool = True  # TensorBoard event files (scalars per step, the config as hparams) in the run directory
+    sweep: SweepConf = field(default_factory=SweepConf)
 
 
 @dataclass

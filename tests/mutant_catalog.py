@@ -354,6 +354,13 @@ MUTANTS: tuple[Mutant, ...] = (
             "recompiles_and_equals_its_eager_twin",
             # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
+    # -- the experiments' run record (experiments.resume, experiments.sweep) ----------------------------------
+    Mutant("resume-ignores-the-schedule", "experiments/resume.py",
+           'TRAINING_KEYS = ("steps", "optim", "data", "model.name", "model.config", "precision", "seed")',
+           'TRAINING_KEYS = ("optim", "data", "model.name", "model.config", "precision", "seed")',
+           "a resume with another steps= (so another learning-rate schedule) continues silently",
+           ("tests/experiments/test_resume.py::test_a_resume_that_changes_the_experiment_is_refused_with_the_keys_"
+            "and_the_flag",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
