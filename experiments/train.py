@@ -318,15 +318,17 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _quiet_elastic():
-    """torch's elastic launcher logs a failed rank's whole traceback, every line prefixed; the LaunchError it
-    becomes already holds it (the app writes it to error.log and shows one line)."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    """torch's elastic launcher logs a failed rank's whole traceback, every line prefixed, and its spawn the peers
+    it terminates; the LaunchError it becomes already holds that (the app writes it to error.log, shows one line)."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
