@@ -78,14 +78,12 @@ def _import(key: str, hint: str, interface: tuple[str, ...]) -> ModuleType:
 
 def _model(conf: Any) -> tuple[ModuleType, Any]:
     name = conf.name
-    hint = (f"use one of {models.names()} or a module path like `mypkg.my_model` whose module has "
-            f"{'/'.join(_INTERFACE)}")
-    if "." in name:
-        module = _import(f"model.name={name}", hint, _INTERFACE)
-    elif name in models.names():
+    hint = (f"use one of {models.names()} or a module path like `mypkg.my_model` (or a top-level `my_model`) whose "
+            f"module has {'/'.join(_INTERFACE)}")
+    if name in models.names():
         module = models.get(name)
-    else:
-        raise ConfigError(f"model.name={name}: unknown model. Fix: {hint}.")
+    else:  # a module importable from sys.path, dotted or not (a built-in name wins over a module of that name)
+        module = _import(f"model.name={name}", hint, _INTERFACE)
     try:
         return module, module.Config(**dict(conf.config))
     except (TypeError, ValueError) as e:

@@ -101,9 +101,12 @@ class OptimConf:
 
 @dataclass
 class DataConf:
-    """Where tokens come from and how they are batched (byte-level: token = byte, vocab 256)."""
+    """Where tokens come from and how they are batched (by default byte-level: token = byte, vocab 256)."""
 
     source: str = "stdlib"  # stdlib | random | a directory of text files
+    path: str | None = None  # one file instead: text (its bytes) or token ids (.bin: nanoGPT's uint16), memory-mapped
+    dtype: str | None = None  # of data.path: bytes | uint16 | uint32; null: from the suffix (.bin: uint16, else bytes)
+    name: str | None = None  # your own batches: a module with batches(conf, batch_size, seq_len) (experiments.data)
     max_bytes: int = 4_000_000  # read at most this much of the corpus (keeps start-up fast)
     batch_size: int = 16  # global batch, in sequences
     seq_len: int | None = None  # sequence length; null -> the model config's seq_len

@@ -56,7 +56,7 @@ from experiments import resume
 from experiments.build import ConfigError, Setup, build, loss, lr_schedule, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
 from experiments.console import Console, error_line
-from experiments.data import DataState, Packed, load_corpus
+from experiments.data import DataState, source
 from experiments.progress import Progress
 from experiments.sweep import SWEEP_SUMMARY
 from experiments.tracker import Tracker
@@ -187,8 +187,8 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                                     mesh=setup.mesh, plan=setup.plan)
         opt_state, data_state = step.init(params), DataState(0)
         params = step.stored(params)  # zero1/2 under a policy: the compute copy (the fp32 master is in opt_state)
-    data = Packed(load_corpus(cfg.data.source, cfg.data.max_bytes, cfg.data.seed), setup.seq_len,
-                  cfg.data.batch_size, cfg.data.seed)
+    data, what = source(cfg.data, setup.seq_len, getattr(mcfg, "vocab", None))
+    console.line(what)
     main, lr = console.enabled, lr_schedule(cfg.optim, cfg.steps)
     records = _earlier_records(out_dir, start) if main else []
     bar = Progress(cfg.steps, initial=start, desc=setup.layout.name, enabled=main and cfg.progress,
