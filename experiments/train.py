@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -52,7 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import core
 import shardings
-from experiments import resume
+from experiments import peak, resume
 from experiments.build import ConfigError, Setup, build, loss, lr_schedule, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
 from experiments.console import Console, error_line
@@ -210,8 +211,10 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                     batch, data_state = data.next(data_state)
             else:
                 batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
+            measure = i == cfg.steps and (not cfg.jit or torch.cuda.is_available())  # peak.py: what is measured
             try:
-                params, opt_state, metrics = step(params, opt_state, batch)
+                with peak.measured(measure, (params, opt_state, batch), setup.mesh.size) as peaks:
+                    params, opt_state, metrics = step(params, opt_state, batch)
             except shardings.NonFiniteGradError as e:  # name the step: the loop is what knows it
                 raise e.at_step(i) from None
             seconds = time.perf_counter() - t0
@@ -219,6 +222,9 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                 compile_s = seconds
                 console.end(f" done in {seconds:.1f} s (tokens/s counts the steps after it)")
             records.append(_record(i, metrics, seconds, data_state, _loss_scale(step, opt_state)))
+            if peaks:  # this rank's and every rank's measured peak
+                records[-1] |= {"peak_memory": peaks[dist.get_rank() if dist.is_initialized() else 0],
+                                "peak_memory_ranks": peaks}
             if log is not None:
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
@@ -250,8 +256,9 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
 def _summary(records: list[dict[str, Any]], setup: Any, first: int = 1) -> dict[str, Any]:
     if not records:  # restarted after its last step, elsewhere than its first run dir: nothing to report
         return {"layout": setup.layout.name, "mesh": setup.mesh.shape, "steps": 0}
-    # A process's first step pays for warm-up (plans, meshes, allocator; under jit the compile): not throughput.
-    timed = [r for r in records if r["step"] not in (1, first)] or records
+    # A process's first step pays for warm-up (plans, meshes, allocator; under jit the compile), the measured one
+    # for its dispatch mode (experiments.peak): not throughput.
+    timed = [r for r in records if r["step"] not in (1, first) and "peak_memory" not in r] or records
     by_kind: dict[str, float] = {}
     for r in records:
         for row in r["comm"]:
@@ -268,6 +275,7 @@ def _summary(records: list[dict[str, Any]], setup: Any, first: int = 1) -> dict[
         "comm_bytes_by_kind": by_kind,
         "memory": records[-1]["memory"],
         "memory_per_rank": records[-1]["memory_per_rank"],
+        "peak_memory_ranks": records[-1].get("peak_memory_ranks"),  # measured over the last step (experiments.peak)
     }
 
 
