@@ -45,14 +45,15 @@ def draw_memory(runs: Sequence[dict[str, Any]], labels: Sequence[str], path: str
     marked = False
     for i, r in enumerate(runs):
         peaks = r["summary"].get("peak_memory_ranks") or []
-        offsets = [(k - (len(peaks) - 1) / 2) * 0.5 / max(1, len(peaks)) for k in range(len(peaks))]
-        ax.scatter([i + o for o in offsets], [p / 2**20 for p in peaks], marker="_", s=200, color="black",
-                   linewidths=2, label=None if marked else "measured peak, one mark per rank (left: rank 0)", zorder=3)
-        marked = marked or bool(peaks)
         if not peaks:
             ax.annotate("peak not measured", (i, bottom[i]), ha="center", va="bottom", fontsize=7,
                         xytext=(0, 2), textcoords="offset points")
-    ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right")
+            continue
+        offsets = [(k - (len(peaks) - 1) / 2) * 0.5 / len(peaks) for k in range(len(peaks))]
+        ax.scatter([i + o for o in offsets], [p / 2**20 for p in peaks], marker="_", s=200, color="black",
+                   linewidths=2, label=None if marked else "measured peak, one mark per rank (left: rank 0)", zorder=3)
+        marked = True
+    ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", rotation_mode="anchor")
     ax.set_ylabel("MiB per rank")
     ax.set_title("memory per rank: held by role, and the step's measured peak")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, covering none

@@ -148,6 +148,7 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float]], title: 
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, covering none
     ax.tick_params(axis="x", labelrotation=20)
+    plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")  # each label ends under its bar
     fig.savefig(path, bbox_inches="tight", dpi=100)
     plt.close(fig)
 
@@ -189,7 +190,7 @@ def throughput(runs: Sequence[dict[str, Any]], path: str | Path) -> list[str]:
             ax.annotate(f"compile {compile_s:.1f} s", (i, r["summary"]["tokens_per_s"]), ha="center", va="bottom",
                         fontsize=8, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(runs)), [f"#{r.get('job', i)} {r['label']}" for i, r in enumerate(runs)], rotation=20,
-                  ha="right")
+                  ha="right", rotation_mode="anchor")
     ax.set_ylabel("tokens/s (after the first step)")
     ax.set_title("throughput per job")
     ax.margins(y=0.12)  # room for the compile labels
@@ -261,23 +262,24 @@ def loss_curves(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
     >>> loss_curves(collect("multirun/2024-01-01/12-00-00"), "loss.png")  # doctest: +SKIP
     """
     curves = [({x["step"]: x["loss"] for x in r["records"]}, r["label"]) for r in runs]
-    fig, axes = plt.subplots(2 if len(runs) > 1 else 1, 1, figsize=(7, 6 if len(runs) > 1 else 4), sharex=True,
+    fig, axes = plt.subplots(2 if len(runs) > 1 else 1, 1, figsize=(10, 6 if len(runs) > 1 else 4), sharex=True,
                              squeeze=False, gridspec_kw={"height_ratios": [2, 1]} if len(runs) > 1 else None)
     for losses, label in curves:
         axes[0, 0].plot(list(losses), list(losses.values()), label=label)
     axes[0, 0].set(ylabel="loss", title="training loss")
-    axes[0, 0].legend(fontsize="small")
+    axes[0, 0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
     (first, first_label), diff = curves[0], axes[-1, 0]
     for losses, label in curves[1:]:
         steps = [s for s in losses if s in first]
         diff.plot(steps, [losses[s] - first[s] for s in steps], label=label)
     if len(runs) > 1:
         diff.axhline(0, color="gray", linewidth=0.5)
-        diff.set(ylabel=f"loss − {first_label}")
+        diff.set(ylabel="loss − the first run's")
+        diff.set_title(f"difference to {first_label}", fontsize="small")
     axes[-1, 0].set(xlabel="step")
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
