@@ -14,8 +14,9 @@ step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per ran
 also ``pipeline``: schedule, microbatches, planned bubble, saved-activation peaks per rank, and on real
 processes the measured bubble per rank),
 ``summary.json`` (with the precision policy), ``layout.json`` (``shardings.describe_layout``: every parameter
-group's spec per role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
-experiments.report <multirun dir>`` compares the runs of a sweep.
+group's spec per role, and a step's collectives), ``status.json`` (``{"status": "ran"}``), ``train.log`` (what the
+console showed: experiments.console), TensorBoard event files (experiments.tracker) and, on failure, ``error.log``.
+``python -m experiments.report <multirun dir>`` compares the runs of a sweep.
 
 A layout with ``pp`` pipelines the model's blocks (its ``stages``) over the mesh axis ``pp`` (each real
 process holds and runs only its own stage; ``pipeline.stage_sizes=[3,1]`` overrides the balanced split)::
@@ -24,11 +25,13 @@ process holds and runs only its own stage; ``pipeline.stage_sizes=[3,1]`` overri
 
 A sweep keeps going past an impossible combination (``zero3+tp+sp`` on ``mesh=dp4``): that job is
 skipped with one line, and its ``status.json`` says ``skipped`` and why. A job that fails while
-running records ``failed`` and why; the sweep still runs the rest, then exits nonzero.
+running records ``failed`` and why; the sweep still runs the rest, then lists what did not run and exits 1
+(``sweep.allow_skipped=true`` accepts skipped jobs: experiments.sweep).
 
 ``checkpoint.every=N`` saves the whole train state every N steps (``shardings.checkpoint``, into
 ``checkpoint.dir``, default ``<run dir>/checkpoints``); a job restarted with the same folder resumes
-from its latest checkpoint that verifies, under any layout and mesh. ``model.init_from=<dir>`` starts from a Hugging
+from its latest checkpoint that verifies, under any layout and mesh, and refuses to when the experiment would
+change (experiments.resume). ``model.init_from=<dir>`` starts from a Hugging
 Face Llama folder (``experiments.export``'s output).
 """
 
