@@ -24,7 +24,7 @@ from core import deferred, tree
 from experiments.auto import auto
 from shardings import Mesh, check_batch_rows, layouts, logical_to_spec, param_specs, pipeline
 
-__all__ = ["ConfigError", "Setup", "build", "loss", "model", "optimizer", "pretrained"]
+__all__ = ["ConfigError", "Setup", "build", "loss", "lr_schedule", "model", "optimizer", "pretrained"]
 
 _RUNTIMES = ("simulate", "multiprocess", "torchrun")
 
@@ -79,14 +79,12 @@ def _import(key: str, hint: str, interface: tuple[str, ...]) -> ModuleType:
 
 def _model(conf: Any) -> tuple[ModuleType, Any]:
     name = conf.name
-    hint = (f"use one of {models.names()} or a module path like `mypkg.my_model` whose module has "
-            f"{'/'.join(_INTERFACE)}")
-    if "." in name:
-        module = _import(f"model.name={name}", hint, _INTERFACE)
-    elif name in models.names():
+    hint = (f"use one of {models.names()} or a module path like `mypkg.my_model` (or a top-level `my_model`) whose "
+            f"module has {'/'.join(_INTERFACE)}")
+    if name in models.names():
         module = models.get(name)
-    else:
-        raise ConfigError(f"model.name={name}: unknown model. Fix: {hint}.")
+    else:  # a module importable from sys.path, dotted or not (a built-in name wins over a module of that name)
+        module = _import(f"model.name={name}", hint, _INTERFACE)
     try:
         return module, module.Config(**dict(conf.config))
     except (TypeError, ValueError) as e:
@@ -301,13 +299,19 @@ def pretrained(directory: str, setup: Setup) -> Any:
     return params
 
 
+def lr_schedule(conf: Any, steps: int) -> core.optim.Schedule:
+    """The ``optim`` group's warmup-cosine learning rate over ``steps`` (what :func:`optimizer` uses; the tracker
+    logs it)."""
+    warmup = min(conf.warmup_steps, max(steps - 1, 0))
+    return core.optim.warmup_cosine(conf.lr, warmup, max(steps, warmup + 1), end=conf.lr * conf.end_ratio)
+
+
 def optimizer(conf: Any, steps: int, schedule: bool = True) -> core.optim.GradientTransformation:
     """The ``optim`` group's optimizer with its warmup-cosine schedule over ``steps`` (or a constant ``lr``).
 
     ``optim.name`` is ``adamw``, ``sgd``, or a dotted module path whose module has ``optimizer(conf, lr)``
     returning a ``core.optim.GradientTransformation`` (``conf``: the ``optim`` node; ``lr``: the schedule)."""
-    warmup = min(conf.warmup_steps, max(steps - 1, 0))
-    lr = core.optim.warmup_cosine(conf.lr, warmup, max(steps, warmup + 1), end=conf.lr * conf.end_ratio)
+    lr = lr_schedule(conf, steps)
     makers = {
         "adamw": functools.partial(core.optim.adamw, b1=conf.b1, b2=conf.b2, weight_decay=conf.weight_decay),
         "sgd": functools.partial(core.optim.sgd, momentum=conf.momentum, weight_decay=conf.weight_decay),

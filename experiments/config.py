@@ -61,6 +61,7 @@ __all__ = [
     "PipelineConf",
     "PrecisionConf",
     "RuntimeConf",
+    "SweepConf",
     "TrainConf",
     "app_overrides",
     "own_model",
@@ -102,9 +103,12 @@ class OptimConf:
 
 @dataclass
 class DataConf:
-    """Where tokens come from and how they are batched (byte-level: token = byte, vocab 256)."""
+    """Where tokens come from and how they are batched (by default byte-level: token = byte, vocab 256)."""
 
     source: str = "stdlib"  # stdlib | random | a directory of text files
+    path: str | None = None  # one file instead: text (its bytes) or token ids (.bin: nanoGPT's uint16), memory-mapped
+    dtype: str | None = None  # of data.path: bytes | uint16 | uint32; null: from the suffix (.bin: uint16, else bytes)
+    name: str | None = None  # your own batches: a module with batches(conf, batch_size, seq_len) (experiments.data)
     max_bytes: int = 4_000_000  # read at most this much of the corpus (keeps start-up fast)
     batch_size: int = 16  # global batch, in sequences
     seq_len: int | None = None  # sequence length; null -> the model config's seq_len
@@ -128,6 +132,7 @@ class CheckpointConf:
     every: int = 0  # save the whole train state every N steps (and at the last step); 0 = off
     dir: str | None = None  # null -> <run dir>/checkpoints; set it so a restarted job (new run dir) finds it
     keep: int = 3  # keep the newest k checkpoints
+    allow_changes: bool = False  # resume even though a training-defining key differs (experiments.resume)
 
 
 @dataclass
@@ -157,6 +162,13 @@ class OffloadConf:
     optimizer: bool = False  # optimizer state, and its update runs on the host (ZeRO-Offload): +offload_optimizer
     params: bool = False  # parameters between steps: +offload_params
     activations: bool = False  # activations saved for backward (the model's remat="offload")
+
+
+@dataclass
+class SweepConf:
+    """How a sweep (``-m``) ends: nonzero when a job failed or was skipped (``experiments.sweep``)."""
+
+    allow_skipped: bool = False  # true: skipped jobs (impossible combinations of a grid) do not fail the sweep
 
 
 # `_self_` first: the group members override the dataclass fields' placeholder defaults.
@@ -193,6 +205,8 @@ class TrainConf:
     seed: int = 0  # parameter init key
     progress: bool = True  # show progress (rank 0): a bar on a terminal, plain lines in a file or log
     progress_every: int = 0  # steps between plain lines when not on a terminal; 0: about 20 lines per run
+    tracker: bool = True  # TensorBoard event files (scalars per step, the config as hparams) in the run directory
+    sweep: SweepConf = field(default_factory=SweepConf)
 
 
 @dataclass

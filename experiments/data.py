@@ -1,4 +1,14 @@
-"""The data pipeline: an offline byte corpus, packed into sequences, each rank reading only its rows.
+"""The data pipeline: a corpus, packed into sequences, each rank reading only its rows.
+
+The batch contract (what every model's ``loss`` takes): ``{"tokens", "labels"}``, both int64 of shape
+``(batch_size, seq_len)``, ``labels`` the next token after each of ``tokens`` (``-100``, the ignore index, where
+there is none). Tokens are ids below the model's ``vocab``: bytes (vocab 256) by default.
+
+Where they come from (``data`` config): ``data.source`` ``stdlib`` (default), ``random`` or a directory of text
+files, read as bytes; ``data.path=`` one file: a text file read as bytes, or a pre-tokenized token file
+(``.bin``, or ``data.dtype=uint16|uint32``: a flat array of ids, nanoGPT's ``train.bin`` format), memory-mapped
+(``np.memmap``) and never read whole; ``data.name=<module>``: your own batches, a module with
+``batches(conf, batch_size, seq_len)`` yielding global batches by the contract (:class:`FromIterator`).
 
 The corpus is one stream of bytes (token = byte, vocab 256): by default the Python standard
 library's own ``.py`` files, in sorted path order, each followed by a ``\\0`` separator, so it
@@ -19,6 +29,7 @@ import dataclasses
 import functools
 import os
 import sysconfig
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from shardings import Mesh, P, check_batch_rows, from_callback, layouts, logical_to_spec
 
-__all__ = ["DataState", "Packed", "batch_spec", "load_corpus", "read_files", "stdlib_files"]
+__all__ = ["DataState", "FromIterator", "Packed", "batch_spec", "load_corpus", "read_files", "source", "stdlib_files",
+           "token_file"]
 
 SEPARATOR = b"\0"  # between documents; never occurs in Python source
 
@@ -142,11 +154,130 @@ class Packed:
         Under ``simulate`` each simulated rank gets its own block; in a real process group, the
         block of ``dist.get_rank()``. Either way a rank materializes only its own rows.
         """
-        spec = batch_spec(layout, mesh)
-        check_batch_rows(self.batch_size, mesh.axis_size(spec.dim_axes()[0]), setting="data.batch_size",
-                         spec=spec, mesh=mesh)
+        return _placed(lambda block: self.block(state, block), self.batch_size, self.seq_len, layout, mesh), \
+            DataState(state.position + 1)
 
-        def part(key: str) -> DTensor:  # one block per (simulated) rank
-            return from_callback((self.batch_size, self.seq_len), spec, mesh, lambda rows: self.block(state, rows)[key])
 
-        return {"tokens": part("tokens"), "labels": part("labels")}, DataState(state.position + 1)
+def _placed(block: Any, batch_size: int, seq_len: int, layout: Any, mesh: Mesh) -> dict[str, DTensor]:
+    """``{"tokens", "labels"}`` DTensors placed by the batch spec, each rank's block from ``block(slices)``."""
+    spec = batch_spec(layout, mesh)
+    check_batch_rows(batch_size, mesh.axis_size(spec.dim_axes()[0]), setting="data.batch_size", spec=spec, mesh=mesh)
+
+    def part(key: str) -> DTensor:  # one block per (simulated) rank
+        return from_callback((batch_size, seq_len), spec, mesh, lambda rows: block(rows)[key])
+
+    return {"tokens": part("tokens"), "labels": part("labels")}
+
+
+class FromIterator:
+    """Your own batches: the global batches an iterator yields, checked against the contract and placed.
+
+    Every rank runs the same iterator (it must be deterministic: the same batches in the same order on every
+    rank and every run), so a resume at position ``p`` skips its first ``p`` batches.
+
+    Args:
+        batches: an iterator of global batches ``{"tokens", "labels"}``, int64 ``(batch_size, seq_len)``.
+        batch_size, seq_len: what the run expects of each batch.
+        where: the config key it came from, for errors.
+    """
+
+    def __init__(self, batches: Any, batch_size: int, seq_len: int, where: str) -> None:
+        self.batches, self.batch_size, self.seq_len, self.where = iter(batches), batch_size, seq_len, where
+        self.position = 0
+
+    def _at(self, state: DataState) -> dict[str, torch.Tensor]:
+        if state.position < self.position:
+            raise ValueError(f"{self.where}: batch {state.position} was asked after batch {self.position - 1}; an "
+                             "iterator only goes forward. Fix: read batches in order (a resume starts a new iterator).")
+        while self.position <= state.position:
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                raise ValueError(f"{self.where}: the iterator ended after {self.position} batches. Fix: yield at least "
+                                 "`steps` batches (cycle over your data), or lower steps.") from None
+            self.position += 1
+        want = (self.batch_size, self.seq_len)
+        for key in ("tokens", "labels"):
+            x = batch.get(key) if isinstance(batch, dict) else None
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != torch.int64:
+                got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{self.where}: batch {state.position}[{key!r}] is {got}, the run needs int64 {want} "
+                                 "(data.batch_size, the sequence length). Fix: yield {'tokens', 'labels'} int64 "
+                                 "tensors of that shape (docs/experiments.md#data).")
+        return batch
+
+    def next(self, state: DataState) -> tuple[dict[str, torch.Tensor], DataState]:
+        return self._at(state), DataState(state.position + 1)
+
+    def next_sharded(self, state: DataState, layout: Any, mesh: Mesh) -> tuple[dict[str, DTensor], DataState]:
+        batch = self._at(state)
+        return _placed(lambda block: {k: v[block] for k, v in batch.items()}, self.batch_size, self.seq_len, layout,
+                       mesh), DataState(state.position + 1)
+
+
+_TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def token_file(path: str, dtype: str) -> torch.Tensor:
+    """A pre-tokenized file (a flat array of ``dtype`` ids, nanoGPT's ``.bin``), memory-mapped, as a 1-D tensor
+    over the mapping (no copy: pages are read as rows are)."""
+    import numpy as np  # a dependency of tensorboard's; only token files need it
+
+    mapped = np.memmap(path, dtype=dtype, mode="r")
+    wide = mapped.view(np.int16 if dtype == "uint16" else np.int32)  # torch indexes signed ints; ids are < 2**31
+    with warnings.catch_warnings():  # the mapping is read-only: nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        stream = torch.from_numpy(wide)
+    return _Unsigned(stream, dtype)
+
+
+class _Unsigned(NamedTuple):
+    """A signed view of unsigned ids: indexing it gives the ids as int64 (``Packed`` indexes, then ``.long()``)."""
+
+    signed: torch.Tensor
+    dtype: str
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        x = self.signed[index].long()
+        return x & (0xFFFF if self.dtype == "uint16" else 0xFFFFFFFF)
+
+    def numel(self) -> int:
+        return self.signed.numel()
+
+
+def source(conf: Any, seq_len: int, vocab: int | None) -> tuple[Any, str]:
+    """The run's batches for a ``data`` config node (``Packed`` or :class:`FromIterator`), and one line saying what
+    they are, for the console.
+
+    Raises:
+        ValueError: a file that is not there, an unknown ``data.dtype``, ids the model's ``vocab`` cannot embed.
+    """
+    if conf.get("name"):
+        from experiments.build import _import  # the one importer of user modules (model, optim, data)
+
+        module = _import(f"data.name={conf.name}", "a module with batches(conf, batch_size, seq_len)", ("batches",))
+        return (FromIterator(module.batches(conf, batch_size=conf.batch_size, seq_len=seq_len), conf.batch_size,
+                             seq_len, f"data.name={conf.name}"), f"data: {conf.name}.batches (your iterator)")
+    path = conf.get("path")
+    if not path:
+        stream = load_corpus(conf.source, conf.max_bytes, conf.seed)
+        return Packed(stream, seq_len, conf.batch_size, conf.seed), f"data: {conf.source}, {stream.numel():,} bytes"
+    if not os.path.isfile(path):
+        raise ValueError(f"data.path={path!r} is not a file. Fix: pass a text file or a token file (.bin).")
+    dtype = conf.get("dtype") or ("uint16" if path.endswith(".bin") else "bytes")
+    if dtype == "bytes":
+        stream = read_files([Path(path)], conf.max_bytes)[:-1]  # no separator after the one document
+        what, top = f"{stream.numel():,} bytes of text (data.max_bytes={conf.max_bytes:,})", 255
+    elif dtype in _TOKEN_DTYPES:
+        stream = token_file(path, dtype)
+        import numpy as np
+
+        top = int(np.memmap(path, dtype=dtype, mode="r").max()) if stream.numel() else 0  # one pass, no copy
+        what = f"{stream.numel():,} {dtype} tokens, memory-mapped"
+    else:
+        raise ValueError(f"data.dtype={dtype!r} is unknown. Fix: use bytes (a text file), uint16 or uint32 (token "
+                         "files), or null (from the suffix: .bin is uint16).")
+    if vocab is not None and top >= vocab:
+        raise ValueError(f"data.path={path!r} holds token id {top}, but the model's vocab is {vocab}. Fix: set "
+                         f"model.config.vocab={top + 1} or more (the tokenizer's vocabulary size).")
+    return Packed(stream, seq_len, conf.batch_size, conf.seed), f"data: {path}, {what}"

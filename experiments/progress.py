@@ -5,12 +5,15 @@ fragments on one line. Written anywhere but a terminal, progress is one plain li
 at the last step) instead::
 
     zero3+tp step 20/60 (33%) | loss 3.412 | 41,233 tok/s | comm 1.2 MiB/step | mem 3.1 MiB/rank | 12.4s
+
+Those plain lines also go to ``log`` (the run's ``train.log``), under a bar too.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from tqdm import tqdm
@@ -25,11 +28,13 @@ class Progress:
         total: the last step. initial: the step already done (a resumed run).
         every: plain-line period in steps; 0 picks about 20 lines per run. A terminal ignores it.
         file: where to write (default stderr); ``isatty()`` picks bar or lines.
+        log: also called with each plain line (a bar or not), e.g. ``Console.log``.
     """
 
     def __init__(self, total: int, *, initial: int = 0, desc: str = "", enabled: bool = True, every: int = 0,
-                 file: TextIO | None = None) -> None:
+                 file: TextIO | None = None, log: Callable[[str], None] | None = None) -> None:
         self.file = sys.stderr if file is None else file
+        self.log = log
         self.total, self.step, self.desc = total, initial, desc
         self.enabled = enabled
         self.every = every if every > 0 else max(1, total // 20)
@@ -45,11 +50,14 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(status, refresh=False)
             self.bar.update()
-        elif self.step % self.every == 0 or self.step == self.total:
+        if self.step % self.every == 0 or self.step == self.total:
             pct = 100 * self.step / self.total if self.total else 100
             elapsed = time.perf_counter() - self._t0
-            print(f"{self.desc} step {self.step}/{self.total} ({pct:.0f}%) | {status} | {elapsed:.1f}s",
-                  file=self.file, flush=True)
+            line = f"{self.desc} step {self.step}/{self.total} ({pct:.0f}%) | {status} | {elapsed:.1f}s"
+            if self.bar is None:
+                print(line, file=self.file, flush=True)
+            if self.log is not None:
+                self.log(line)
 
     def close(self) -> None:
         if self.bar is not None:

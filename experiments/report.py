@@ -7,10 +7,11 @@ runs (a folder with ``metrics.jsonl`` and ``summary.json``) writes, into ``--out
 directory itself):
 
 - ``report.md`` and ``report.csv``: one row per run — its overrides, layout, mesh, steps, final
-  loss, tokens/s, comm bytes per step by collective kind, memory per rank (params, grads, optimizer
-  state, total);
+  loss, tokens/s, compile time (``jit=true``), comm bytes per step by collective kind, memory per rank (params,
+  grads, optimizer state, total); report.md also lists each job's warnings (:func:`job_warnings`);
 - ``loss.png`` (loss curves overlaid, and each run's difference to the first: :func:`loss_curves`),
-  ``memory.png`` (stacked memory per rank per run), ``comm.png`` (comm bytes per step per run, stacked by
+  ``memory.png`` (per run the held roles and the measured peak per rank: :mod:`experiments.memory_plot`),
+  ``comm.png`` (comm bytes per step per run, stacked by
   collective kind on mesh axis: :func:`comm_by_axis`) and ``throughput.png`` (tokens/s per run, runs on
   simulated ranks hatched and said to be ~20× below real processes: :func:`throughput`);
 - ``layout_<i>.png`` for each run that wrote ``layout.json`` (``shardings.describe_layout``): per
@@ -38,11 +39,14 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 import yaml
+from matplotlib.ticker import MaxNLocator
 
 from experiments import gantt
+from experiments.console import WARNINGS
+from experiments.memory_plot import draw_memory
 
-__all__ = ["SIMULATED_NOTE", "collect", "comm_by_axis", "draw_layout", "jobs", "loss_curves", "main", "throughput",
-           "write_report"]
+__all__ = ["SIMULATED_NOTE", "collect", "comm_by_axis", "draw_layout", "job_warnings", "jobs", "loss_curves", "main",
+           "throughput", "write_report"]
 
 _MEMORY = ("params", "grads", "opt_state")
 SIMULATED_NOTE = "simulated ranks (one process): ~20× below real processes, not a throughput measure"
@@ -114,7 +118,8 @@ def _job_lines(all_jobs: list[dict[str, Any]]) -> list[str]:
 
 def _rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     kinds = sorted({k for r in runs for k in r["summary"]["comm_bytes_by_kind"]})
-    header = ["job", "run", "layout", "mesh", "steps", "final_loss", "tokens_per_s", *[f"comm_{k}" for k in kinds],
+    header = ["job", "run", "layout", "mesh", "steps", "final_loss", "tokens_per_s", "compile_s",
+              *[f"comm_{k}" for k in kinds],
               "comm_total", *[f"mem_{m}" for m in _MEMORY], "mem_total"]
     rows = []
     for r in runs:
@@ -122,7 +127,7 @@ def _rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
         mesh = ",".join(f"{a}={n}" for a, n in s["mesh"].items())
         comm = [round(s["comm_bytes_by_kind"].get(k, 0)) for k in kinds]
         rows.append([r.get("job", len(rows)), r["label"], s["layout"], mesh, s["steps"], round(s["final_loss"], 4),
-                     round(s["tokens_per_s"], 1),
+                     round(s["tokens_per_s"], 1), "" if s.get("compile_s") is None else round(s["compile_s"], 1),
                      *comm, round(s["comm_bytes_per_step"]), *[s["memory"][m] for m in _MEMORY], s["memory_per_rank"]])
     return header, rows
 
@@ -141,10 +146,10 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float]], title: 
         bottom = [b + v / 2**20 for b, v in zip(bottom, values)]
     ax.set_ylabel("MiB per rank")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside the bars, covering none
     ax.tick_params(axis="x", labelrotation=20)
-    fig.tight_layout()
-    fig.savefig(path)
+    plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")  # each label ends under its bar
+    fig.savefig(path, bbox_inches="tight", dpi=100)
     plt.close(fig)
 
 
@@ -180,12 +185,17 @@ def throughput(runs: Sequence[dict[str, Any]], path: str | Path) -> list[str]:
         bar = ax.bar(i, r["summary"]["tokens_per_s"], color="lightgray" if simulated else "tab:blue",
                      hatch="//" if simulated else None, edgecolor="gray")
         legend.setdefault(name, bar)
-    ax.set_xticks(range(len(runs)), [f"#{r.get('job', i)} {r['label']}" for i, r in enumerate(runs)], rotation=20)
+        compile_s = r["summary"].get("compile_s")
+        if compile_s is not None:  # jit: the first step's compile, apart from the tokens/s
+            ax.annotate(f"compile {compile_s:.1f} s", (i, r["summary"]["tokens_per_s"]), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(runs)), [f"#{r.get('job', i)} {r['label']}" for i, r in enumerate(runs)], rotation=20,
+                  ha="right", rotation_mode="anchor")
     ax.set_ylabel("tokens/s (after the first step)")
     ax.set_title("throughput per job")
-    ax.legend(legend.values(), legend.keys(), fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path)
+    ax.margins(y=0.12)  # room for the compile labels
+    ax.legend(legend.values(), legend.keys(), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, bbox_inches="tight", dpi=100)
     plt.close(fig)
     return list(legend)
 
@@ -214,8 +224,7 @@ def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
                                       gridspec_kw={"width_ratios": [3, 2]})
     shares = [[r["shares"][k] for k in roles] for r in rows]
     image = table.imshow(shares, cmap="Blues_r", vmin=0, vmax=1, aspect="auto")
-    fig.colorbar(image, ax=table, fraction=0.04, pad=0.01,
-                 label="share of the tensor one rank holds (1: all; cell text: spec per dim, · = not split)")
+    fig.colorbar(image, ax=table, fraction=0.04, pad=0.01, label="share one rank holds")
     for i, r in enumerate(rows):
         for j, k in enumerate(roles):
             share = r["shares"][k]
@@ -226,7 +235,8 @@ def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
     table.set_yticks(range(len(rows)), [r["group"] + pp(r) for r in rows], fontsize=7)
     table.xaxis.tick_top()
     mesh = ", ".join(f"{a}={n}" for a, n in view["mesh"].items())
-    table.set_title(f"{view['layout']} on ({mesh}): spec per dim (· whole), share per rank", fontsize=9)
+    table.set_title(f"{view['layout']} on ({mesh}): spec per dim (· = not split), 1/n = share one rank holds",
+                    fontsize=9)
     comm = view["comm"]
     if comm:
         labels = [f"{c['kind']}\n{c['axis']} ×{c['count']}" for c in comm]
@@ -238,7 +248,7 @@ def draw_layout(view: dict[str, Any], path: str | Path) -> Path:
         bars.set_axis_off()
     bars.set_title("collectives per step", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the colour bar's label whole
     plt.close(fig)
     return Path(path)
 
@@ -252,22 +262,24 @@ def loss_curves(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
     >>> loss_curves(collect("multirun/2024-01-01/12-00-00"), "loss.png")  # doctest: +SKIP
     """
     curves = [({x["step"]: x["loss"] for x in r["records"]}, r["label"]) for r in runs]
-    fig, axes = plt.subplots(2 if len(runs) > 1 else 1, 1, figsize=(7, 6 if len(runs) > 1 else 4), sharex=True,
+    fig, axes = plt.subplots(2 if len(runs) > 1 else 1, 1, figsize=(10, 6 if len(runs) > 1 else 4), sharex=True,
                              squeeze=False, gridspec_kw={"height_ratios": [2, 1]} if len(runs) > 1 else None)
     for losses, label in curves:
         axes[0, 0].plot(list(losses), list(losses.values()), label=label)
     axes[0, 0].set(ylabel="loss", title="training loss")
-    axes[0, 0].legend(fontsize="small")
+    axes[0, 0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
     (first, first_label), diff = curves[0], axes[-1, 0]
     for losses, label in curves[1:]:
         steps = [s for s in losses if s in first]
         diff.plot(steps, [losses[s] - first[s] for s in steps], label=label)
     if len(runs) > 1:
         diff.axhline(0, color="gray", linewidth=0.5)
-        diff.set(ylabel=f"loss − {first_label}")
+        diff.set(ylabel="loss − the first run's")
+        diff.set_title(f"difference to {first_label}", fontsize="small")
     axes[-1, 0].set(xlabel="step")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
@@ -288,13 +300,12 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
         f"# Sweep report: {_counts(all_jobs) if all_jobs else f'{len(runs)} runs'}\n\n{jobs_md}"
         "Comm is bytes sent per rank per step (mean over steps); memory is bytes held per rank after the "
         f"last step. Tokens/s of runs on simulated ranks (one process) are ~20× below real processes' and are "
-        f"no throughput measure.\n\n{_markdown(header, rows)}\n\n![loss](loss.png)\n\n![memory](memory.png)\n\n"
-        "![comm](comm.png)\n\n![throughput](throughput.png)\n"
+        f"no throughput measure.\n\n{_markdown(header, rows)}\n\n{_warnings_md(runs, all_jobs)}![loss](loss.png)\n\n"
+        "![memory](memory.png)\n\n![comm](comm.png)\n\n![throughput](throughput.png)\n"
     )
     loss_curves(runs, out / "loss.png")
     labels = [f"#{r['job']} {r['label']}" for r in runs]
-    _bars(out / "memory.png", labels, {m: [r["summary"]["memory"][m] for r in runs] for m in _MEMORY},
-          "memory per rank")
+    draw_memory(runs, labels, out / "memory.png")
     _bars(out / "comm.png", labels, comm_by_axis(runs), "comm per step per rank, by collective and mesh axis")
     throughput(runs, out / "throughput.png")
     layouts = [draw_layout(json.loads(Path(r["dir"], "layout.json").read_text()), out / f"layout_{r['job']}.png")
@@ -303,6 +314,20 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
     gantts = [p for r in runs for p in gantt.draw_run(r["dir"], out, r["job"])]
     names = ("report.md", "report.csv", "loss.png", "memory.png", "comm.png", "throughput.png")
     return [out / n for n in names] + layouts + gantts
+
+
+def job_warnings(job_dir: str | Path) -> list[str]:
+    """The warnings a job showed (its ``warnings.jsonl``: each once, ``Category: message``)."""
+    file = Path(job_dir, WARNINGS)
+    found = [json.loads(line) for line in file.read_text().splitlines() if line.strip()] if file.exists() else []
+    return [f"{w['category']}: {w['message']}" for w in found]
+
+
+def _warnings_md(runs: list[dict[str, Any]], all_jobs: list[dict[str, Any]]) -> str:
+    """report.md's warnings section: per job that showed any, each warning once."""
+    per_job = [(j, job_warnings(j["dir"])) for j in (all_jobs or runs)]
+    lines = [f"- #{j['job']} {j['label']}: {w}" for j, found in per_job for w in found]
+    return "## Warnings\n\n" + ("\n".join(lines) if lines else "none") + "\n\n"
 
 
 def _numbered(runs: list[dict[str, Any]], all_jobs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict]]:

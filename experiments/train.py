@@ -14,8 +14,9 @@ step: loss, grad_norm, tokens, tokens_per_s, comm rows and bytes, memory per ran
 also ``pipeline``: schedule, microbatches, planned bubble, saved-activation peaks per rank, and on real
 processes the measured bubble per rank),
 ``summary.json`` (with the precision policy), ``layout.json`` (``shardings.describe_layout``: every parameter
-group's spec per role, and a step's collectives) and ``status.json`` (``{"status": "ran"}``). ``python -m
-experiments.report <multirun dir>`` compares the runs of a sweep.
+group's spec per role, and a step's collectives), ``status.json`` (``{"status": "ran"}``), ``train.log`` (what the
+console showed: experiments.console), TensorBoard event files (experiments.tracker) and, on failure, ``error.log``.
+``python -m experiments.report <multirun dir>`` compares the runs of a sweep.
 
 A layout with ``pp`` pipelines the model's blocks (its ``stages``) over the mesh axis ``pp`` (each real
 process holds and runs only its own stage; ``pipeline.stage_sizes=[3,1]`` overrides the balanced split)::
@@ -24,11 +25,13 @@ process holds and runs only its own stage; ``pipeline.stage_sizes=[3,1]`` overri
 
 A sweep keeps going past an impossible combination (``zero3+tp+sp`` on ``mesh=dp4``): that job is
 skipped with one line, and its ``status.json`` says ``skipped`` and why. A job that fails while
-running records ``failed`` and why; the sweep still runs the rest, then exits nonzero.
+running records ``failed`` and why; the sweep still runs the rest, then lists what did not run and exits 1
+(``sweep.allow_skipped=true`` accepts skipped jobs: experiments.sweep).
 
 ``checkpoint.every=N`` saves the whole train state every N steps (``shardings.checkpoint``, into
 ``checkpoint.dir``, default ``<run dir>/checkpoints``); a job restarted with the same folder resumes
-from its latest checkpoint that verifies, under any layout and mesh. ``model.init_from=<dir>`` starts from a Hugging
+from its latest checkpoint that verifies, under any layout and mesh, and refuses to when the experiment would
+change (experiments.resume). ``model.init_from=<dir>`` starts from a Hugging
 Face Llama folder (``experiments.export``'s output).
 """
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -44,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -51,10 +56,14 @@ from omegaconf import DictConfig, OmegaConf
 
 import core
 import shardings
-from experiments.build import ConfigError, Setup, build, loss, optimizer, pretrained
+from experiments import peak, resume
+from experiments.build import ConfigError, Setup, build, loss, lr_schedule, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
-from experiments.data import DataState, Packed, load_corpus
+from experiments.console import Console, error_line
+from experiments.data import DataState, source
 from experiments.progress import Progress
+from experiments.sweep import SWEEP_SUMMARY
+from experiments.tracker import Tracker
 from shardings import checkpoint, maybe_disable_local_tensor_mode, unwrap
 
 __all__ = ["app", "human_bytes", "main", "run", "run_rank"]
@@ -125,8 +134,13 @@ def _earlier_records(out_dir: str, upto: int) -> list[dict[str, Any]]:
     return [r for r in records if r["step"] <= upto]
 
 
+def _ckpt_dir(cfg: Any, out_dir: str) -> str | None:
+    """Where the run's checkpoints go (``None``: it saves none)."""
+    return (cfg["checkpoint"]["dir"] or str(Path(out_dir, "checkpoints"))) if cfg["checkpoint"]["every"] else None
+
+
 def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> dict[str, Any]:
-    """One rank's training loop (all ranks run it); rank 0 writes metrics and shows the progress bar.
+    """One rank's training loop (all ranks run it); rank 0 writes metrics, the console and the tracker.
 
     With ``checkpoint.every=N`` the whole train state is saved every N steps and at the last one,
     and a run whose checkpoint folder already holds one resumes from the latest by itself (a damaged
@@ -141,8 +155,14 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
     Returns:
         The run's summary (final loss, mean tokens/s, mean comm bytes per step by kind, memory per rank).
     """
+    main = _is_main()
+    console = Console(out_dir, enabled=main)
+    with console.warnings_shown():
+        return _train(conf, out_dir, setup or build(OmegaConf.create(conf)), console)
+
+
+def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -> dict[str, Any]:
     cfg = OmegaConf.create(conf)
-    setup = setup or build(cfg)
     m, mcfg = setup.model, setup.model_cfg
     axes = m.axes(mcfg)
     key = core.random.key(cfg.seed)
@@ -151,15 +171,18 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
                                 mesh=setup.mesh, axes=axes, accum_steps=setup.microbatches, plan=setup.plan,
                                 clip_norm=cfg.optim.clip_norm, precision=setup.precision, jit=cfg.jit,
                                 donate=True)  # the loop never reads a step's inputs again
-    ckpt_dir = (cfg.checkpoint.dir or str(Path(out_dir, "checkpoints"))) if cfg.checkpoint.every else None
+    ckpt_dir = _ckpt_dir(conf, out_dir)
     start = 0
     if ckpt_dir and checkpoint.latest(ckpt_dir):
         like = _train_state(step.stored(params), step.init(params), DataState(0), key, conf)
         with warnings.catch_warnings():
-            if not _is_main():  # rank 0 says which checkpoint was skipped, once
+            if not console.enabled:  # rank 0 says which checkpoint was skipped, once
                 warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
             saved, start = checkpoint.resume(ckpt_dir, like=like)  # the newest that verifies
         params, opt_state, data_state = saved["params"], saved["opt_state"], DataState(saved["data"]["position"])
+        was = json.loads(saved["config"]["resolved"])
+        console.line(f"resumed from step {start} ({Path(ckpt_dir, f'step_{start}')}), saved under "
+                     f"{resume.where(was)}, now {resume.where(conf)}")
     else:
         if cfg.model.init_from:
             with maybe_disable_local_tensor_mode():  # whole tensors, read once; init shards them
@@ -168,39 +191,58 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
                                     mesh=setup.mesh, plan=setup.plan)
         opt_state, data_state = step.init(params), DataState(0)
         params = step.stored(params)  # zero1/2 under a policy: the compute copy (the fp32 master is in opt_state)
-    data = Packed(load_corpus(cfg.data.source, cfg.data.max_bytes, cfg.data.seed), setup.seq_len,
-                  cfg.data.batch_size, cfg.data.seed)
-    main = _is_main()
+    data, what = source(cfg.data, setup.seq_len, getattr(mcfg, "vocab", None))
+    console.line(what)
+    main, lr = console.enabled, lr_schedule(cfg.optim, cfg.steps)
     records = _earlier_records(out_dir, start) if main else []
     bar = Progress(cfg.steps, initial=start, desc=setup.layout.name, enabled=main and cfg.progress,
-                   every=cfg.progress_every)
+                   every=cfg.progress_every, log=console.log)
+    tracker = Tracker(out_dir, enabled=main and cfg.tracker)
+    compile_s = None
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(Path(out_dir, "metrics.jsonl"), "w")) if main else None
         if log is not None:
             log.writelines(json.dumps(r) + "\n" for r in records)
         stack.callback(bar.close)
         for i in range(start + 1, cfg.steps + 1):
+            compiling = cfg.jit and i == start + 1  # torch.compile traces and compiles the step's graphs now
+            if compiling:
+                console.begin(f"compiling step {i}'s graphs (jit=true) ...")
             t0 = time.perf_counter()
             if setup.layout.pipelined:  # the global batch (whole tensors), placed by the step on its stage mesh
                 with maybe_disable_local_tensor_mode():
                     batch, data_state = data.next(data_state)
             else:
                 batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
+            measure = i == cfg.steps and (not cfg.jit or torch.cuda.is_available())  # peak.py: what is measured
             try:
-                params, opt_state, metrics = step(params, opt_state, batch)
+                with peak.measured(measure, (params, opt_state, batch), setup.mesh.size) as peaks:
+                    params, opt_state, metrics = step(params, opt_state, batch)
             except shardings.NonFiniteGradError as e:  # name the step: the loop is what knows it
                 raise e.at_step(i) from None
-            records.append(_record(i, metrics, time.perf_counter() - t0, data_state, _loss_scale(step, opt_state)))
+            seconds = time.perf_counter() - t0
+            if compiling:
+                compile_s = seconds
+                console.end(f" done in {seconds:.1f} s (tokens/s counts the steps after it)")
+            records.append(_record(i, metrics, seconds, data_state, _loss_scale(step, opt_state)))
+            if peaks:  # this rank's and every rank's measured peak
+                records[-1] |= {"peak_memory": peaks[dist.get_rank() if dist.is_initialized() else 0],
+                                "peak_memory_ranks": peaks}
             if log is not None:
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
+            tracker.step(i, records[-1], float(lr(i - 1)))
             if ckpt_dir and (i % cfg.checkpoint.every == 0 or i == cfg.steps):
+                t0 = time.perf_counter()
                 state = _train_state(params, opt_state, data_state, key, conf)
-                checkpoint.save(ckpt_dir, state, step=i, keep=cfg.checkpoint.keep)
+                saved_to = checkpoint.save(ckpt_dir, state, step=i, keep=cfg.checkpoint.keep).path
+                console.line(f"checkpoint saved: step {i} -> {saved_to} ({time.perf_counter() - t0:.1f} s)")
             r = records[-1]
-            bar.update(f"loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | comm "
+            speed = "compiling" if compiling else f"{r['tokens_per_s']:,.0f} tok/s"
+            bar.update(f"loss {r['loss']:.3f} | {speed} | comm "
                        f"{human_bytes(r['comm_bytes'])}/step | mem {human_bytes(r['memory_per_rank'])}/rank")
-    summary = {**_summary(records, setup), "resumed_from": start}
+    summary = {**_summary(records, setup, start + 1), "resumed_from": start, "compile_s": compile_s}
+    tracker.close(conf, summary)
     if main:
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         # The step at a glance, for experiments.report's layout_<i>.png: specs per role and a step's collectives.
@@ -214,10 +256,12 @@ def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> 
     return summary
 
 
-def _summary(records: list[dict[str, Any]], setup: Any) -> dict[str, Any]:
+def _summary(records: list[dict[str, Any]], setup: Any, first: int = 1) -> dict[str, Any]:
     if not records:  # restarted after its last step, elsewhere than its first run dir: nothing to report
         return {"layout": setup.layout.name, "mesh": setup.mesh.shape, "steps": 0}
-    timed = records[1:] or records  # the first step pays for warm-up (plans, meshes, allocator)
+    # A process's first step pays for warm-up (plans, meshes, allocator; under jit the compile), the measured one
+    # for its dispatch mode (experiments.peak): not throughput.
+    timed = [r for r in records if r["step"] not in (1, first) and "peak_memory" not in r] or records
     by_kind: dict[str, float] = {}
     for r in records:
         for row in r["comm"]:
@@ -234,6 +278,7 @@ def _summary(records: list[dict[str, Any]], setup: Any) -> dict[str, Any]:
         "comm_bytes_by_kind": by_kind,
         "memory": records[-1]["memory"],
         "memory_per_rank": records[-1]["memory_per_rank"],
+        "peak_memory_ranks": records[-1].get("peak_memory_ranks"),  # measured over the last step (experiments.peak)
     }
 
 
@@ -267,6 +312,9 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     if cfg.model.init_from:
         pretrained(cfg.model.init_from, setup)  # a mismatch fails here, before any process starts
     conf = OmegaConf.to_container(cfg, resolve=True)
+    ckpt_dir = _ckpt_dir(conf, out_dir)
+    if ckpt_dir:
+        resume.check(ckpt_dir, conf)  # a resume that would change the experiment stops here, before any process
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if os.environ.get("RANK", "0") == "0":
         Path(out_dir, "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -274,8 +322,24 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     if cfg.runtime.kind == "simulate":
         with shardings.simulate(world):
             return run_rank(conf, out_dir, setup)
-    return shardings.launch(run_rank, world, conf, out_dir, backend=cfg.runtime.backend,
-                            timeout=cfg.runtime.timeout_s)[0]
+    with _quiet_elastic():
+        return shardings.launch(run_rank, world, conf, out_dir, backend=cfg.runtime.backend,
+                                timeout=cfg.runtime.timeout_s)[0]
+
+
+@contextlib.contextmanager
+def _quiet_elastic():
+    """torch's elastic launcher logs a failed rank's whole traceback, every line prefixed, and its spawn the peers
+    it terminates; the LaunchError it becomes already holds that (the app writes it to error.log, shows one line)."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
@@ -288,7 +352,7 @@ def _write_status(out_dir: str, status: str, reason: str | None = None) -> None:
 def main() -> None:
     """``python -m experiments.train [overrides]``: register the configs, then run the Hydra app (:func:`app`)."""
     register()
-    sys.argv[1:] = app_overrides(sys.argv[1:])  # any field of the model's Config, without a '+'
+    sys.argv[1:] = [*app_overrides(sys.argv[1:]), SWEEP_SUMMARY]  # any Config field without a '+'; a sweep's end
     app()
 
 
@@ -296,38 +360,43 @@ def main() -> None:
 def app(cfg: DictConfig) -> float:
     """The Hydra app; returns the final loss (what a Hydra sweeper would minimize).
 
-    One run exits 2 on an impossible combination and 1 when a rank fails. In a sweep an impossible
-    combination is skipped (one line, ``status.json``) and the sweep goes on; a failed job is recorded
-    and re-raised, so Hydra runs the remaining jobs of its batch and then exits 1.
+    One run exits 2 on an impossible combination and 1 when it fails (one ``Error: ... Fix: ...`` line, the full
+    trace in ``error.log``). In a sweep such a job is recorded (``status.json``, one line) and the sweep goes on;
+    at its end :class:`experiments.sweep.SweepSummary` lists the jobs that did not run and exits nonzero.
     """
     hydra_cfg = HydraConfig.get()
     out_dir, sweeping = hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN
     job = " ".join(hydra_cfg.overrides.task)
+    console = Console(out_dir, enabled=os.environ.get("RANK", "0") == "0")
+    console.line(f"run directory: {out_dir}")
     try:
-        summary = run(own_model(cfg, hydra_cfg.overrides.task), out_dir)
+        with console.warnings_shown():
+            summary = run(own_model(cfg, hydra_cfg.overrides.task), out_dir)
     except ConfigError as e:
         _write_status(out_dir, "skipped", str(e))
         if sweeping:
-            print(f"skipped job {hydra_cfg.job.num} ({job}): impossible combination: {e}", file=sys.stderr)
+            console.line(f"skipped job {hydra_cfg.job.num} ({job}): impossible combination: {e}")
             return float("nan")
-        print(f"error: {e}", file=sys.stderr)
+        console.line(f"Error: {e}")
         sys.exit(2)
     except Exception as e:
         _write_status(out_dir, "failed", f"{type(e).__name__}: {e}")
+        trace = e.worker_traceback if isinstance(e, shardings.LaunchError) else None
+        Console(out_dir).line(error_line(e, out_dir, trace))  # every rank's own error (torchrun), on its console
         if sweeping:
-            print(f"failed job {hydra_cfg.job.num} ({job}): {type(e).__name__}: {e}", file=sys.stderr)
-            raise
-        if isinstance(e, shardings.LaunchError):
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(1)
-        raise
+            console.line(f"failed job {hydra_cfg.job.num} ({job}): {type(e).__name__}: {e}".splitlines()[0])
+            return float("nan")
+        sys.exit(1)
     _write_status(out_dir, "ran")
     if not summary["steps"]:
-        print(f"nothing to do: already trained to step {summary['resumed_from']} (its checkpoint)")
+        console.line(f"nothing to do: already trained to step {summary['resumed_from']} (its checkpoint)")
         return float("nan")
-    print(f"{summary['layout']} on {summary['mesh']}: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"{summary['tokens_per_s']:,.0f} tok/s, comm {human_bytes(summary['comm_bytes_per_step'])}/step, "
-          f"memory {human_bytes(summary['memory_per_rank'])}/rank")
+    compiled = f", compile {summary['compile_s']:.1f} s" if summary.get("compile_s") is not None else ""
+    console.line(f"{summary['layout']} on {summary['mesh']}: loss {summary['first_loss']:.3f} -> "
+                 f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tok/s{compiled}, comm "
+                 f"{human_bytes(summary['comm_bytes_per_step'])}/step, memory "
+                 f"{human_bytes(summary['memory_per_rank'])}/rank")
+    console.line(f"run directory: {out_dir}")
     return summary["final_loss"]
 
 

@@ -425,6 +425,26 @@ MUTANTS: tuple[Mutant, ...] = (
            "aux loss, a Partial input gradient): the receiver reads other bytes than were sent",
            ("tests/shardings/pipeline/test_wire.py::test_a_message_is_laid_out_as_its_template_says_whatever_layout_"
             "the_carry_came_in",)),
+    # -- the experiments' run record (experiments.resume, experiments.sweep) ----------------------------------
+    Mutant("resume-ignores-the-schedule", "experiments/resume.py",
+           'TRAINING_KEYS = ("steps", "optim", "data", "model.name", "model.config", "precision", "seed")',
+           'TRAINING_KEYS = ("optim", "data", "model.name", "model.config", "precision", "seed")',
+           "a resume with another steps= (so another learning-rate schedule) continues silently",
+           ("tests/experiments/test_resume.py::test_a_resume_that_changes_the_experiment_is_refused_with_the_keys_"
+            "and_the_flag",)),
+    Mutant("sweep-skipped-job-passes", "experiments/sweep.py",
+           'bad = sum(n for s, n in counts.items() if s != "ran" and not (s == "skipped" and allow_skipped))',
+           'bad = sum(n for s, n in counts.items() if s == "failed")',
+           "a sweep with an impossible (skipped) job exits 0 though sweep.allow_skipped is false",
+           ("tests/experiments/test_sweep_status.py::test_an_impossible_combination_is_skipped_the_sweep_fails_and_"
+            "the_report_lists_every_job",)),
+    Mutant("jit-comm-inside-graphs-uncounted", "shardings/step/compiled.py",
+           "                if mode.ignore_compile_internals():\n                    kept.enter_context(mode)",
+           "                if mode.ignore_compile_internals():\n                    pass",
+           "under jit=True the counting mode is paused around the compiled blocks: their tp/sp/ep collectives go "
+           "uncounted and metrics['comm'] differs from eager's",
+           ("tests/shardings/step/test_jit.py::test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_"
+            "fallback_warning",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

@@ -102,7 +102,9 @@ def _job(family: Family, drill_dir: str, fault: str = "none", rank: int = 0, ste
               f"model.config.fault_step={step}", f"model.config.fault_calls={family.calls}"]
     instead = {o.split("=")[0]: o for o in family.smaller} if smaller else {}
     overrides = [instead.get(o.split("=")[0], o) for o in family.overrides]
-    return _compose([*overrides, *JOB, *fields])
+    # The restart (fault=none) resumes what a faulted run saved: only the fault's own model fields differ.
+    accept = ["checkpoint.allow_changes=true"] if fault == "none" else []
+    return _compose([*overrides, *JOB, *fields, *accept])
 
 
 def _losses(out: Path) -> dict[int, float]:

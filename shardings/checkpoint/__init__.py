@@ -74,7 +74,8 @@ from shardings.checkpoint.files import _MetadataUnpickler as _MetadataUnpickler 
 from shardings.checkpoint.tensors import empty_like, is_absent, place_like, split_state
 from shardings.runtime.compat import maybe_disable_local_tensor_mode
 
-__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "add_save_hook", "latest", "load", "resume", "save"]
+__all__ = ["CheckpointError", "CheckpointWarning", "PendingSave", "add_save_hook", "latest", "load", "resume", "save",
+           "saved_values"]
 
 _PENDING: dict[str, PendingSave] = {}  # root path -> its save still being written (async)
 _SAVE_HOOKS: list[Callable[[str, str], None]] = []
@@ -115,6 +116,29 @@ def latest(path: str | os.PathLike) -> str | None:
         _PENDING.pop(root).wait()
     steps = _steps(root)
     return os.path.join(root, f"step_{steps[-1]}") if steps else None
+
+
+def saved_values(path: str | os.PathLike) -> tuple[dict[str, Any], int] | None:
+    """The JSON values (not the tensors) of the newest checkpoint under the root ``path`` whose manifest reads.
+
+    Cheap (the manifest only, no file is hashed): what a caller checks before it resumes, e.g. the run's
+    config saved with the state. ``None`` when there is no checkpoint.
+
+    Returns:
+        ``({key path: value}, step)``.
+
+    >>> values, step = saved_values("runs/exp1/checkpoints")  # doctest: +SKIP
+    >>> values["['config']['resolved']"]  # doctest: +SKIP
+    """
+    root = os.fspath(path)
+    if root in _PENDING:
+        _PENDING.pop(root).wait()
+    for step in reversed(_steps(root)):
+        try:
+            return _read_manifest(os.path.join(root, f"step_{step}"))["values"], step
+        except CheckpointError:
+            continue  # resume() skips it too, with its warning
+    return None
 
 
 # -- saving ----------------------------------------------------------------------------------------

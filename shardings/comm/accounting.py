@@ -25,7 +25,8 @@ An uneven ``all_to_all`` counts B minus its smallest block (what a rank sends wh
 block). A group of one rank moves nothing. What is counted is what ran: e.g. DTensor's
 Shard→Shard is an all_to_all under :func:`~shardings.simulate` but an all_gather (then a local
 chunk) on real CPU ranks, where DTensor avoids gloo's all-to-all. Collectives inside compiled
-(``torch.compile``) graphs are not seen. Building a ``DeviceMesh`` (first ``mesh.device_mesh``)
+(``torch.compile``) graphs are seen too, as the graphs run (``_CommsMode.ignore_compile_internals``).
+Building a ``DeviceMesh`` (first ``mesh.device_mesh``)
 may itself broadcast: build it before entering ``comms()`` to count only your step.
 
 Copies between the compute device and host memory (offloaded roles and activations, all made by
@@ -242,6 +243,12 @@ class _CommsMode(TorchDispatchMode):
     def __init__(self, report: Comms):
         super().__init__()
         self.report = report
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile traces and compiles with this mode off, then runs the compiled graphs with it on: each
+        collective a graph runs reaches the dispatcher as one op and is counted, as in the eager step."""
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         handler = _HANDLERS.get(func.overloadpacket)

@@ -109,12 +109,16 @@ def compile_loss(loss_fn: Callable, backend: str) -> Callable:
 
 
 def _outside_modes(graph: Callable) -> Callable:
-    """``graph`` called with the step's dispatch modes paused (``shardings.comms()``, which ``train_step`` counts
-    by default): dynamo does not trace under one ("non-infra torch dispatch mode present"), and what they count,
-    the collectives, runs eagerly around the graphs (a ZeRO-3 bucket's gather before its block: :func:`_resolved`)."""
+    """``graph`` called with the step's dispatch modes paused: dynamo does not trace under one ("non-infra torch
+    dispatch mode present"). A mode that ignores compile internals stays (``shardings.comms()``, which
+    ``train_step`` counts by default): torch.compile compiles without it and runs the graphs under it, so the
+    collectives inside a graph are counted once per call, as the eager step's are."""
 
     def call(*args: Any) -> Any:
-        with disable_current_modes():
+        with disable_current_modes() as paused, contextlib.ExitStack() as kept:
+            for mode in reversed(paused):  # bottom of the stack first, as they were entered
+                if mode.ignore_compile_internals():
+                    kept.enter_context(mode)
             return graph(*args)
 
     return call

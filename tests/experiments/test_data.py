@@ -1,10 +1,15 @@
 """The data pipeline: packed rows, per-rank blocks that are disjoint and cover the batch, exact resume."""
 
+import sys
+
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
-from experiments.data import DataState, Packed, batch_spec, load_corpus, read_files, stdlib_files
+from experiments.data import DataState, FromIterator, Packed, batch_spec, load_corpus, read_files, source, stdlib_files
 from shardings import Mesh, per_rank, simulate
 from shardings.spec import lower
 from shardings.spec.lower import coords_of_rank
@@ -85,3 +90,87 @@ def test_next_sharded_gives_each_simulated_rank_only_its_rows():
         dp = coords_of_rank(rank, mesh)["dp"]
         assert torch.equal(local, full["tokens"][2 * dp : 2 * dp + 2])
     assert all(torch.equal(g, full["labels"]) for g in gathered)
+
+
+# -- your own data: a text file, a token file, your own iterator (each made here) -------------------------------
+
+
+def _conf(**fields):
+    base = {"source": "stdlib", "max_bytes": 1_000_000, "batch_size": 4, "seed": 0, "path": None, "dtype": None,
+            "name": None}
+    return OmegaConf.create(base | fields)
+
+
+def test_a_text_file_is_read_as_bytes(tmp_path):
+    text = ("the quick brown fox jumps over the lazy dog. " * 40).encode()
+    (tmp_path / "corpus.txt").write_bytes(text)
+    data, what = source(_conf(path=str(tmp_path / "corpus.txt")), seq_len=16, vocab=256)
+    assert what == f"data: {tmp_path / 'corpus.txt'}, {len(text):,} bytes of text (data.max_bytes=1,000,000)"
+    batch, _ = data.next(DataState(0))
+    for row, tokens in zip(data.global_rows(DataState(0)).tolist(), batch["tokens"], strict=True):
+        assert bytes(tokens.tolist()) == text[row * 16 : row * 16 + 16]
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_a_token_file_is_memory_mapped_and_its_ids_checked_against_the_vocab(tmp_path, dtype):
+    ids = (np.arange(2000, dtype=np.int64) * 7919) % (70_000 if dtype == "uint32" else 50_257)  # gpt-2's vocab
+    file = tmp_path / ("train.bin" if dtype == "uint16" else "train.u32")
+    ids.astype(dtype).tofile(file)  # nanoGPT's prepare.py: np.array(ids, dtype=np.uint16).tofile("train.bin")
+    conf = _conf(path=str(file), dtype=None if dtype == "uint16" else dtype)  # .bin: uint16 by its suffix
+    data, what = source(conf, seq_len=16, vocab=int(ids.max()) + 1)
+    assert what.endswith(f"2,000 {dtype} tokens, memory-mapped")
+    batch, _ = data.next(DataState(3))
+    for row, tokens, labels in zip(data.global_rows(DataState(3)).tolist(), batch["tokens"], batch["labels"],
+                                   strict=True):
+        assert tokens.tolist() == ids[row * 16 : row * 16 + 16].tolist() and labels[-1] == ids[row * 16 + 16]
+    with pytest.raises(ValueError, match=rf"holds token id {ids.max()}, but the model's vocab is 256\. Fix: set "
+                                         rf"model.config.vocab={ids.max() + 1} or more"):
+        source(conf, seq_len=16, vocab=256)
+
+
+_ITERATOR = '''
+import torch
+
+
+def batches(conf, batch_size, seq_len):
+    """Counting sequences: batch i's row r starts at i * 1000 + r * seq_len (mod 256)."""
+    i = 0
+    while True:
+        start = i * 1000 + torch.arange(batch_size)[:, None] * seq_len + torch.arange(seq_len + 1)
+        yield {"tokens": (start[:, :-1] % 256).long(), "labels": (start[:, 1:] % 256).long()}
+        i += 1
+'''
+
+
+def test_your_own_batch_iterator_by_module_name(tmp_path, monkeypatch):
+    (tmp_path / "my_batches.py").write_text(_ITERATOR)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data, what = source(_conf(name="my_batches"), seq_len=8, vocab=256)
+    assert what == "data: my_batches.batches (your iterator)"
+    resumed, _ = source(_conf(name="my_batches"), seq_len=8, vocab=256)
+    first, state = data.next(DataState(0))
+    assert first["tokens"][1].tolist() == list(range(8, 16)) and state == DataState(1)
+    third, _ = data.next(DataState(2))  # skips batch 1, as a resume at position 2 does
+    assert torch.equal(resumed.next(DataState(2))[0]["tokens"], third["tokens"]) and third["tokens"][0, 0] == 2000 % 256
+    with simulate(2):
+        placed, _ = data.next_sharded(DataState(3), "dp", Mesh(dp=2))
+        assert [t.shape for t in per_rank(placed["tokens"].to_local())] == [(2, 8), (2, 8)]
+    short = FromIterator(iter([first]), batch_size=4, seq_len=16, where="data.name=my_batches")
+    with pytest.raises(ValueError, match=r"data.name=my_batches: batch 0\['tokens'\] is torch.int64 \(4, 8\), the run "
+                                         r"needs int64 \(4, 16\)"):
+        short.next(DataState(0))
+    with pytest.raises(ValueError, match=r"the iterator ended after 1 batches"):
+        FromIterator(iter([first]), batch_size=4, seq_len=8, where="data.name=my_batches").next(DataState(1))
+    sys.modules.pop("my_batches", None)
+
+
+def test_the_train_app_trains_on_a_token_file(tmp_path):
+    from experiments.train import run
+    from tests.experiments.conftest import compose_config
+
+    (np.arange(5000) % 300).astype(np.uint16).tofile(tmp_path / "train.bin")  # ids up to 299: vocab 300
+    cfg = compose_config("train", ["model=mlp", "model.config.vocab=300", "layout=dp", "mesh=dp2", "runtime=simulate",
+                                   "steps=2", "progress=false", "tracker=false", f"data.path={tmp_path / 'train.bin'}"])
+    assert run(cfg, str(tmp_path / "run"))["steps"] == 2
+    assert (tmp_path / "run" / "train.log").read_text().splitlines()[0] == (
+        f"data: {tmp_path / 'train.bin'}, 5,000 uint16 tokens, memory-mapped")

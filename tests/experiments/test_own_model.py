@@ -106,8 +106,9 @@ def test_the_train_app_trains_it(scratch, tmp_path):
 
 
 @pytest.mark.parametrize(("name", "says"), [
-    ("enc", "model.name=enc: unknown model. Fix: use one of ['gpt', 'mlp', 'moe'] or a module path like "
-            "`mypkg.my_model` whose module has Config/init/axes/loss/example_batch."),
+    ("enc", "model.name=enc: cannot import it (No module named 'enc'). Fix: use one of ['gpt', 'mlp', 'moe'] or a "
+            "module path like `mypkg.my_model` (or a top-level `my_model`) whose module has "
+            "Config/init/axes/loss/example_batch, importable from sys.path (PYTHONPATH)."),
     ("no_such_pkg.enc", "model.name=no_such_pkg.enc: cannot import it"),
     ("json.decoder", "model.name=json.decoder: the module has no ['Config', 'init', 'axes', 'loss', 'example_batch']"),
 ])
@@ -115,6 +116,15 @@ def test_a_name_that_is_not_a_model_says_what_is(name, says, capsys):
     assert equivalence.main([f"model.name={name}", "layout=dp", "mesh=dp2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and "module path like `mypkg.my_model`" in err
+
+
+def test_a_top_level_module_without_a_dot_is_accepted_when_importable(scratch, tmp_path, monkeypatch):
+    (tmp_path / "mods").mkdir()  # ~/scratch/enc.py run as PYTHONPATH=~/scratch model.name=enc
+    (tmp_path / "mods" / "enc_top.py").write_text(textwrap.dedent(_MODEL))
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    setup = build(compose_config("train", ["model.name=enc_top", "model.config.width=8", "layout=dp", "mesh=dp2"]))
+    assert type(setup.model_cfg).__module__ == "enc_top" and setup.model_cfg.width == 8
+    sys.modules.pop("enc_top", None)
 
 
 def test_your_own_optimizer_from_a_module_path():

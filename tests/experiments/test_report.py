@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import matplotlib.image
+from matplotlib.figure import Figure
 
+from experiments.memory_plot import TRANSIENT, draw_memory, memory_parts
 from experiments.report import SIMULATED_NOTE, collect, comm_by_axis, loss_curves, main, throughput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -102,3 +104,41 @@ def test_comm_by_mesh_axis_throughput_marked_simulated_and_pictures_numbered_by_
         assert (sweep / f"layout_{i}.png").read_bytes()[:8] == PNG_SIGNATURE
     ran = matplotlib.image.imread(sweep / "layout_2.png").shape
     assert ran[1] > matplotlib.image.imread(sweep / "layout_1.png").shape[1]  # a placeholder, not a layout
+
+
+def test_memory_png_stacks_the_held_roles_under_the_measured_peak_per_rank(tmp_path, monkeypatch):
+    summary = {"memory": {"params": 4 << 20, "compute": 0, "grads": 4 << 20, "opt_state": 8 << 20, "host": 0},
+               "peak_memory_ranks": [30 << 20, 26 << 20]}
+    assert memory_parts(summary) == {"params": 4 << 20, "compute": 0, "grads": 4 << 20, "opt_state": 8 << 20,
+                                     TRANSIENT: 14 << 20}  # the largest rank's peak less what is held
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    draw_memory([{"summary": summary}, {"summary": {**summary, "peak_memory_ranks": None}}], ["#0 a", "#1 b"],
+                tmp_path / "memory.png")
+    (ax,) = figures[0].axes
+    heights = {bar.get_label(): [] for bar in ax.containers}
+    assert set(heights) == {"params", "grads", "opt_state", TRANSIENT}  # compute: zero everywhere, not drawn
+    marks = [p for c in ax.collections for p in c.get_offsets()[:, 1].tolist()]
+    assert marks == [30.0, 26.0]  # one mark per rank of the measured run, in MiB
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1  # beside the axes: it covers no bar
+
+
+def test_loss_ticks_are_whole_steps_and_warnings_and_compile_time_reach_the_report(tmp_path, monkeypatch):
+    sweep = tmp_path / "multirun"
+    _fake_run(sweep / "0", "fp32", [5.5, 4.0, 3.5])
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    (sweep / "0" / "summary.json").write_text(json.dumps({**summary, "compile_s": 12.34}))
+    (sweep / "0" / "warnings.jsonl").write_text(json.dumps({"category": "IdleAxisWarning",
+                                                            "message": "mesh axis tp is idle"}) + "\n")
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    loss_curves(collect(sweep), tmp_path / "loss.png")
+    ticks = figures[0].axes[-1].get_xticks()
+    assert all(t == int(t) for t in ticks) and len(ticks) >= 2
+    monkeypatch.undo()
+    assert main([str(sweep)]) == 0
+    md = (sweep / "report.md").read_text()
+    assert "## Warnings\n\n- #0 precision=fp32 layout=zero3+tp+sp: IdleAxisWarning: mesh axis tp is idle\n" in md
+    with open(sweep / "report.csv") as f:
+        assert next(csv.DictReader(f))["compile_s"] == "12.3"

@@ -19,8 +19,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 import shardings
+from experiments import resume
+from experiments.build import ConfigError
 from experiments.train import run
 from models import mlp
 from models.mlp import axes, example_batch, init
@@ -82,10 +85,38 @@ def test_a_restarted_run_resumes_bitwise_under_its_layout_and_within_tolerance_u
 
     _restart_from(ref, other, 2)  # resharded on load: zero3 on dp=4 -> zero3+tp on dp=2 x tp=2
     run(compose_config("train", [*MLP, "layout=zero3+tp", "mesh=dp2_tp2"]), str(other))
+    log = (other / "train.log").read_text().splitlines()  # what the console said, one line per event
+    assert log[0] == (f"resumed from step 2 ({other / 'checkpoints' / 'step_2'}), saved under zero3 on dp4, "
+                      "now zero3+tp on dp2_tp2")
+    assert log[1].startswith(f"checkpoint saved: step 4 -> {other / 'checkpoints' / 'step_4'} (")
     got, ref_losses = _losses(other), _losses(ref)
     assert sorted(got) == [3, 4]
     for s in got:
         assert_close(torch.tensor(got[s]), torch.tensor(ref_losses[s]))
+
+
+def test_a_resume_that_changes_the_experiment_is_refused_with_the_keys_and_the_flag(tmp_path):
+    run(compose_config("train", [*MLP, "steps=2"]), str(tmp_path))
+    with pytest.raises(ConfigError) as e:  # a longer schedule and another lr: not the experiment saved
+        run(compose_config("train", [*MLP, "optim.lr=0.02", "layout=dp", "mesh=dp2_fsdp2"]), str(tmp_path))
+    msg = str(e.value)
+    assert "optim.lr: saved 0.01, now 0.02; steps: saved 2, now 4." in msg and "layout" not in msg.split(". A")[0]
+    assert msg.endswith("or pass checkpoint.allow_changes=true to continue with the changed keys.")
+    assert sorted(_losses(tmp_path)) == [1, 2]  # refused before anything ran
+    accepted = run(compose_config("train", [*MLP, "checkpoint.allow_changes=true"]), str(tmp_path))
+    assert accepted["resumed_from"] == 2 and sorted(_losses(tmp_path)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("override", ["data.batch_size=8", "model.config.mlp=128", "precision=bf16",
+                                      "optim=sgd", "seed=1", "optim.warmup_steps=2"])
+def test_each_training_defining_key_is_one_a_resume_may_not_change(override):
+    saved = compose_config("train", MLP)
+    now = compose_config("train", [*MLP, override])
+    as_dict = lambda c: OmegaConf.to_container(c, resolve=True)
+    assert resume.changed_keys(as_dict(saved), as_dict(now))
+    moved = compose_config("train", [*MLP, "layout=zero3+tp+sp", "mesh=dp2_tp2", "runtime=multiprocess", "jit=true",
+                                     "accum_steps=2", "pipeline.microbatches=4", "checkpoint.every=3"])
+    assert resume.changed_keys(as_dict(saved), as_dict(moved)) == {}  # how it runs, not what it trains
 
 
 def test_a_finished_run_restarted_in_its_run_dir_keeps_its_metrics(tmp_path):
@@ -112,7 +143,8 @@ def test_failover_drill_sigkill_a_rank_restart_and_end_bitwise_equal(tmp_path):
     assert time.monotonic() - started < 60  # the surviving rank was stopped, not left hanging in a collective
     assert checkpoint.latest(killed / "checkpoints") == str(killed / "checkpoints" / "step_4")
 
-    assert run(compose_config("train", app), str(killed))["resumed_from"] == 4  # finds step_4 by itself
+    restart = [*app, "checkpoint.allow_changes=true"]  # saved with kill_rank=1 (the fault), resumed without it
+    assert run(compose_config("train", restart), str(killed))["resumed_from"] == 4  # finds step_4 by itself
     assert _losses(killed) == _losses(ref)  # steps 1-4 kept from the killed run, 5-6 resumed: bitwise
     want = _params(ref / "checkpoints", 6)
     assert all(torch.equal(v, want[k]) for k, v in _params(killed / "checkpoints", 6).items())

@@ -58,8 +58,10 @@ def test_impossible_combination_fails_before_any_process(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("error: ") and "needs a mesh axis tp" in proc.stderr and "Fix:" in proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stderr.count("error: ") == 1
+    run_dir, error = proc.stderr.splitlines()
+    assert run_dir == f"run directory: {tmp_path}" and error.startswith("Error: layout=tp mesh={'dp': 4}: ")
+    assert "needs a mesh axis tp" in error and "Fix:" in error and "Traceback" not in proc.stderr
+    assert (tmp_path / "train.log").read_text() == proc.stderr  # the log holds what the console showed
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
