@@ -355,9 +355,8 @@ MUTANTS: tuple[Mutant, ...] = (
             # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
     Mutant("terapipe-prefix-grad-one-percent", "shardings/pipeline/execute.py",
-           "cots = cots + self.present_grads.pop((s, mb), [None] * (len(outs) - len(cots)))",
-           "cots = cots + [g if g is None else 1.01 * g\n"
-           "                            for g in self.present_grads.pop((s, mb), [None] * (len(outs) - len(cots)))]",
+           "sums = self.present_grads.pop((s, mb), [None] * len(presents))",
+           "sums = [g if g is None else 1.01 * g for g in self.present_grads.pop((s, mb), [None] * len(presents))]",
            "TeraPipe: the gradient later chunks send an earlier chunk's keys and values is backpropagated 1% too large",
            ("tests/shardings/pipeline/test_terapipe.py::test_pp_with_uneven_chunks_equals_one_device",)),
 )

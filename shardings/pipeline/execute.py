@@ -246,8 +246,11 @@ class _Runner:
         cots = [torch.ones_like(out)] if last else _tensors(self.out_grads.pop((s, mb)))
         past: list[torch.Tensor] = []
         if self.k > 1:  # the chunk's presents get what the later chunks sent them; the earlier chunks' leaves theirs
-            outs = outs + _tensors(self.presents.pop((s, mb)))
-            cots = cots + self.present_grads.pop((s, mb), [None] * (len(outs) - len(cots)))
+            presents = _tensors(self.presents.pop((s, mb)))
+            sums = self.present_grads.pop((s, mb), [None] * len(presents))
+            # zeros where no later chunk sent one (the last chunk): a compiled block's backward needs every tangent
+            outs = outs + presents
+            cots = cots + [torch.zeros_like(p) if g is None else g for p, g in zip(presents, sums)]
             past = [x for block in self.past[(s, mb // self.k)] for x in _tensors(block[: mb % self.k])]
         pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad and c is not None]
         inputs = [x for x in _tensors(carry) if x.requires_grad and x.is_leaf] + past  # received: fresh leaves
