@@ -36,3 +36,9 @@ def test_tp_sp_composes_on_a_3d_mesh():
 
 def test_bf16_with_its_fp32_twin():
     _check(["zero3+pp"], Mesh(dp=2, pp=2), precision=Policy.bf16_mixed(), steps=1)
+
+
+def test_remat_recomputes_a_chunk_with_its_prefix():
+    cfg = gpt.Config(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, seq_len=12, mlp=64, remat=True)
+    check_equivalence(gpt.init, gpt.loss, gpt.axes, cfg, gpt.example_batch(cfg, 8), layouts=["pp"], mesh=Mesh(pp=2),
+                      stages=gpt.stages, schedule="gpipe", accum_steps=2, steps=1, seq_chunks=2)
