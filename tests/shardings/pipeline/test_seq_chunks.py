@@ -117,3 +117,16 @@ def test_the_executor_equals_one_device_over_chunk_counts_and_uneven_lengths(nam
     torch.testing.assert_close(got.loss, want_loss.detach(), rtol=1e-5, atol=1e-6)
     for g, w in zip(core.tree.leaves(got.grads), want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_chunks_attention_over_its_prefix_is_the_whole_sequences_rows():
+    from models.layers import rope
+    from shardings.ops.attention_kernels import fused
+    from shardings.ops.ring_attention import reference_attention
+
+    q, k, v = torch.randn(2, 10, 4, 8), torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
+    whole = fused(q, k, v, causal=True)
+    for start in (1, 6, 9):
+        torch.testing.assert_close(fused(q[:, start:], k, v, causal=True), whole[:, start:])
+        torch.testing.assert_close(reference_attention(q[:, start:], k, v), whole[:, start:])
+        torch.testing.assert_close(rope(q[:, start:], 1e4, offset=start), rope(q, 1e4)[:, start:])
