@@ -130,3 +130,21 @@ def test_a_chunks_attention_over_its_prefix_is_the_whole_sequences_rows():
         torch.testing.assert_close(fused(q[:, start:], k, v, causal=True), whole[:, start:])
         torch.testing.assert_close(reference_attention(q[:, start:], k, v), whole[:, start:])
         torch.testing.assert_close(rope(q[:, start:], 1e4, offset=start), rope(q, 1e4)[:, start:])
+
+
+def test_1f1b_with_chunks_holds_fewer_activations_on_stage_0_as_planned():
+    """Rank 0 holds p + k - 1 chunks of 1/k of a microbatch (``peak_in_flight``) instead of 1F1B's p microbatches;
+    the saved bytes (exact, simulated ranks) follow, plus each chunk's concatenated prefix keys and values."""
+    cfg = gpt.Config(vocab=64, dim=64, layers=4, heads=4, kv_heads=2, seq_len=64, mlp=128)
+    params, batch, pp, m = gpt.init(core.random.key(0), cfg), gpt.example_batch(cfg, 8), 4, 4
+    peaks = {}
+    for k in (1, 2, 4, 8):
+        schedule = pipeline.build("1f1b", pp, m, seq_chunks=k)
+        units = [c for i in range(m)
+                 for c in pipeline.cut({key: x.chunk(m)[i].clone() for key, x in batch.items()}, (64 // k,) * k)]
+        result = pipeline.run(schedule, gpt.stages(cfg), pipeline.split(params, pp), params, units,
+                              [1 / len(units)] * len(units))
+        peaks[k] = (result.saved_peak[0], schedule.peak_in_flight()[0] / k)
+    for k in (2, 4, 8):
+        measured, planned = peaks[k][0] / peaks[1][0], peaks[k][1] / peaks[1][1]
+        assert planned <= measured <= 1.2 * planned, (k, measured, planned)
