@@ -38,6 +38,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "build",
+    "cuts_sequences",
     "gpipe",
     "one_f_one_b",
     "program",
@@ -319,6 +320,11 @@ def register_schedule(name: str, builder: Builder | None = None, *, stages_per_r
         return fn
 
     return add if builder is None else add(builder)
+
+
+def cuts_sequences(name: str | None) -> bool:
+    """Whether schedule ``name`` (``None``: :data:`DEFAULT_SCHEDULE`) takes ``seq_chunks`` (TeraPipe)."""
+    return (DEFAULT_SCHEDULE if name is None else name) in _CUTS_SEQUENCES
 
 
 def stages_per_rank(name: str | None, virtual_stages: int | None = None) -> int:
