@@ -178,7 +178,8 @@ def _pipeline_plan(module: ModuleType, model_cfg: Any, layout: layouts.Layout, m
     micro = _microbatches(pipe.get("microbatches"), accum)
     sizes = list(pipe.get("stage_sizes") or []) or None
     blocks = module.stages(model_cfg).blocks
-    where = f"pipeline.schedule={name} pipeline.virtual_stages={virtual}"
+    chunks = dict(seq_chunks=pipe.get("seq_chunks") or 1, chunk_sizes=pipe.get("chunk_sizes") or "terapipe")
+    where = f"pipeline.schedule={name} pipeline.virtual_stages={virtual} pipeline.seq_chunks={chunks['seq_chunks']}"
     try:
         stages = pp * pipeline.stages_per_rank(name, virtual)
     except ValueError as e:
@@ -186,7 +187,7 @@ def _pipeline_plan(module: ModuleType, model_cfg: Any, layout: layouts.Layout, m
     _check_stages(len(shapes[blocks]), pp, stages, sizes)
     try:  # the schedule's own checks (interleaved: m a multiple of pp), before any work
         return pipeline.plan(layout, mesh, shapes, schedule=name, microbatches=micro, accum_steps=accum,
-                             virtual_stages=virtual, stage_sizes=sizes, blocks=blocks)
+                             virtual_stages=virtual, stage_sizes=sizes, blocks=blocks, **chunks)
     except ValueError as e:
         raise ConfigError(f"{where} pipeline.microbatches={micro}: {e}") from None
 

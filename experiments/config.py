@@ -143,6 +143,8 @@ class PipelineConf:
     virtual_stages: int | None = None  # interleaved_1f1b: model chunks per rank (null -> 2); the others: their own
     microbatches: int | None = None  # null -> accum_steps when > 1, else the pp size (shardings.pipeline.plan's)
     stage_sizes: list[int] | None = None  # blocks per stage, e.g. [3, 1]; null -> balanced by parameter count
+    seq_chunks: int = 1  # TeraPipe: cut each microbatch's sequence into this many chunks (gpipe, 1f1b)
+    chunk_sizes: str = "terapipe"  # "terapipe" (TeraPipe's dynamic program) or "equal"
 
 
 @dataclass

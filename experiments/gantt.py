@@ -38,25 +38,26 @@ class Bar(NamedTuple):
     start: float
     end: float
     kind: str  # F, B, W, send or recv
-    label: str  # e.g. "F3" (microbatch 3), with its stage where a rank runs several: "F3@5"
+    label: str  # e.g. "F3" (microbatch 3), with its stage where a rank runs several: "F3@5"; TeraPipe's chunk: "F3.1"
 
 
-def _label(action: Any, several: bool) -> str:
-    return f"{action.kind[0] if action.kind in COMPUTE else ''}{action.mb}" + (f"@{action.stage}" if several else "")
+def _label(action: Any, several: bool, seq_chunks: int = 1) -> str:
+    unit = f"{action.mb}" if seq_chunks == 1 else "{}.{}".format(*divmod(action.mb, seq_chunks))
+    return f"{action.kind[0] if action.kind in COMPUTE else ''}{unit}" + (f"@{action.stage}" if several else "")
 
 
 def planned(schedule: pipeline.Schedule) -> list[Bar]:
     """The unit-time timeline's computes as bars (sends and receives take no time there)."""
     several = schedule.stages_per_rank > 1
-    return [Bar(r, t, t + 1, a.kind, _label(a, several))
+    return [Bar(r, t, t + 1, a.kind, _label(a, several, schedule.seq_chunks))
             for r, row in enumerate(pipeline.timeline(schedule)) for t, a in row]
 
 
-def measured(timed: Sequence[Any], stages_per_rank: int = 1) -> list[Bar]:
+def measured(timed: Sequence[Any], stages_per_rank: int = 1, seq_chunks: int = 1) -> list[Bar]:
     """``pipeline.Result.timeline`` (``Timed`` rows) as bars, seconds from the first action's start."""
     t0 = min(t.start for t in timed)
     kind = lambda a: a.kind if a.kind in COMPUTE else a.kind.split("_")[0].lower()
-    return [Bar(t.rank, t.start - t0, t.end - t0, kind(t.action), _label(t.action, stages_per_rank > 1))
+    return [Bar(t.rank, t.start - t0, t.end - t0, kind(t.action), _label(t.action, stages_per_rank > 1, seq_chunks))
             for t in timed]
 
 
@@ -94,8 +95,9 @@ def draw(bars: Sequence[Bar], ranks: int, path: str | Path, title: str, unit: st
 def save(path: str | Path, schedule: pipeline.Schedule, result: pipeline.Result | None = None) -> Path:
     """Write the planned bars and (with ``result``) the measured ones as JSON, for :func:`draw_run`."""
     found = {"name": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
-             "planned": [list(b) for b in planned(schedule)],
-             "measured": [list(b) for b in measured(result.timeline, schedule.stages_per_rank)] if result else None}
+             "seq_chunks": schedule.seq_chunks, "planned": [list(b) for b in planned(schedule)],
+             "measured": [list(b) for b in measured(result.timeline, schedule.stages_per_rank, schedule.seq_chunks)]
+             if result else None}
     Path(path).write_text(json.dumps(found))
     return Path(path)
 
@@ -107,7 +109,8 @@ def draw_run(run: str | Path, out: str | Path, index: int) -> list[Path]:
     if not source.exists():
         return []
     found = json.loads(source.read_text())
-    title = f"{found['name']}: pp={found['pp']}, m={found['microbatches']}"
+    chunks = found.get("seq_chunks", 1)
+    title = f"{found['name']}: pp={found['pp']}, m={found['microbatches']}" + (f", k={chunks}" if chunks > 1 else "")
     paths = [draw([Bar(*b) for b in found["planned"]], found["pp"], Path(out) / f"gantt_planned_{index}.png",
                   f"{title}, planned (unit time)")]
     if found["measured"]:
@@ -122,10 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--virtual-stages", type=int, default=None)
+    parser.add_argument("--seq-chunks", type=int, default=1, help="TeraPipe: chunks per microbatch's sequence")
     parser.add_argument("--out", default="gantt.png")
     args = parser.parse_args(argv)
-    schedule = pipeline.build(args.schedule, args.pp, args.m, virtual_stages=args.virtual_stages)
-    print(draw(planned(schedule), schedule.pp, args.out, f"{schedule.name}: pp={schedule.pp}, m={args.m}"))
+    schedule = pipeline.build(args.schedule, args.pp, args.m, virtual_stages=args.virtual_stages,
+                              seq_chunks=args.seq_chunks)
+    chunks = f", k={args.seq_chunks}" if args.seq_chunks > 1 else ""
+    print(draw(planned(schedule), schedule.pp, args.out, f"{schedule.name}: pp={schedule.pp}, m={args.m}{chunks}"))
     return 0
 
 

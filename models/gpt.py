@@ -198,15 +198,32 @@ def _block(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 def _attention_residual(p: Params, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """``x + attention(rms_norm(x))``: the first half of a block (models.moe reuses it)."""
+    return _attention_over(p, x, cfg, ())[0]
+
+
+def _attention_over(p: Params, x: torch.Tensor, cfg: Config, past: Any) -> tuple[torch.Tensor, Any]:
+    """``x + attention(rms_norm(x))`` for a chunk of the sequence after ``past``, the ``(k, v)`` of the earlier
+    chunks (TeraPipe; ``()`` for a whole sequence): RoPE from the chunk's position, its queries attend over the
+    prefix's keys and their own causally (the fused kernel with a mask). Returns the chunk's ``(k, v)`` too."""
+    offset = sum(pk.shape[1] for pk, _ in past)
     h = constrain(rms_norm(x, p["attn_norm"], cfg.norm_eps), BLOCK_INPUT)
     q = einsum(h, p["wq"], "b s e, e h d -> b s h d")  # (batch, seq, heads, head_dim)
     k = einsum(h, p["wk"], "b s e, e k d -> b s k d")  # (batch, seq, kv_heads, head_dim)
     v = einsum(h, p["wv"], "b s e, e k d -> b s k d")
-    q = constrain(rope(q, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
-    k = constrain(rope(k, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
+    q = constrain(rope(q, cfg.rope_theta, offset), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(rope(k, cfg.rope_theta, offset), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    out = attention(q, k, v)  # (batch, seq, heads, head_dim)
-    return x + constrain(einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL)
+    keys = torch.cat([pk for pk, _ in past] + [k], dim=1) if past else k
+    values = torch.cat([pv for _, pv in past] + [v], dim=1) if past else v
+    out = attention(q, keys, values)  # (batch, seq, heads, head_dim)
+    return x + constrain(einsum(out, p["wo"], "b s h d, h d e -> b s e"), RESIDUAL), (k, v)
+
+
+def _prefix_block(p: Params, x: torch.Tensor, past: Any, cfg: Config) -> tuple[torch.Tensor, Any]:
+    """One decoder block on a chunk of the sequence after ``past`` (:func:`_attention_over`): ``(x, (k, v))``."""
+    x, present = _attention_over(p, x, cfg, past)
+    h = constrain(rms_norm(x, p["mlp_norm"], cfg.norm_eps), BLOCK_INPUT)
+    return x + constrain(swiglu(h, p["w_gate"], p["w_up"], p["w_down"]), RESIDUAL), present
 
 
 def apply(params: Params, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -255,19 +272,23 @@ def loss(params: Params, batch: dict[str, torch.Tensor], cfg: Config) -> torch.T
 def stages(cfg: Config) -> Stages:
     """The pipeline declaration (``shardings.pipeline``): embedding, decoder blocks, head and loss.
 
-    :func:`loss` is these composed, so a pipelined run's reference is this model's own loss.
+    :func:`loss` is these composed, so a pipelined run's reference is this model's own loss. ``prefix_block``
+    runs a block on a chunk of the sequence after the earlier chunks' keys and values (TeraPipe,
+    ``pipeline.plan(..., seq_chunks=k)``).
 
     >>> cfg = Config(layers=1)
     >>> params, batch = init(core.random.key(0), cfg), example_batch(cfg, 2)
     >>> bool(stages(cfg).loss(params, batch) == loss(params, batch, cfg))
     True
     """
-    block = functools.partial(_block, cfg=cfg)
+    block, prefix_block = functools.partial(_block, cfg=cfg), functools.partial(_prefix_block, cfg=cfg)
     if cfg.remat:
-        block = core.remat(block, policy="offload" if cfg.remat == "offload" else None)
+        policy = "offload" if cfg.remat == "offload" else None
+        block, prefix_block = core.remat(block, policy=policy), core.remat(prefix_block, policy=policy)
     return Stages(first=lambda params, batch: embed(params, batch["tokens"]),
                   block=lambda p, x, i: block(p, x),
-                  last=functools.partial(_head_loss, cfg=cfg), carry_names=lambda x: RESIDUAL)
+                  last=functools.partial(_head_loss, cfg=cfg), carry_names=lambda x: RESIDUAL,
+                  prefix_block=lambda p, x, i, past: prefix_block(p, x, past))
 
 
 def _head_loss(params: Params, x: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config) -> torch.Tensor:

@@ -68,8 +68,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of ``x: (batch, seq, heads, head_dim)`` at positions ``0..seq-1``.
+def rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
+    """Rotary position embedding of ``x: (batch, seq, heads, head_dim)`` at positions ``offset..offset+seq-1``
+    (``offset``: the tokens before ``x``'s, as for a chunk of a sequence).
 
     cos/sin are computed on the fly from the positions (no buffers in params), in float32, with
     HF Llama's formula ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` and ``rotate_half``.
@@ -81,14 +82,14 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"rope: head_dim must be even, got {x.shape[-1]}. Fix: pick an even head_dim.")
     # Positions need the whole seq. A rotation's transpose is the rotation back: nothing saved for backward.
-    rotate, back = (functools.partial(_rope, theta=theta, inverse=i) for i in (False, True))
+    rotate, back = (functools.partial(_rope, theta=theta, inverse=i, offset=offset) for i in (False, True))
     return blockwise(rotate, x, whole=(1, -1), transpose=back)
 
 
-def _rope(x: torch.Tensor, theta: float, inverse: bool = False) -> torch.Tensor:
+def _rope(x: torch.Tensor, theta: float, inverse: bool = False, offset: int = 0) -> torch.Tensor:
     seq, head_dim = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (arange_like(x, head_dim // 2).float() * 2 / head_dim))  # (head_dim/2,)
-    freqs = arange_like(x, seq).float()[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
+    freqs = (arange_like(x, seq) + offset).float()[:, None] * inv_freq[None, :]  # (seq, head_dim/2)
     angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (seq, 1, head_dim): broadcast over heads
     angles = -angles if inverse else angles
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)

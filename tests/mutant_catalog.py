@@ -172,8 +172,8 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_KERNELS}::test_blocks_merged_by_log_sum_exp_equal_the_whole", T_RING)),
     # -- pipeline parallelism: schedules, the executor, the step across stages -------------------------
     Mutant("1f1b-one-more-warmup", "shardings/pipeline/schedule.py",
-           "warmup = min(pp - r - 1, microbatches)",
-           "warmup = min(pp - r, microbatches)",
+           "warmup = min(pp - r - 1 + seq_chunks - 1, units)",
+           "warmup = min(pp - r + seq_chunks - 1, units)",
            "1F1B warms up with one forward too many (holds pp - r + 1 microbatches)",
            (f"{T_SCHEDULE}::test_one_f_one_b_warms_up_then_alternates",)),
     Mutant("pipeline-accumulate-one-percent", "shardings/pipeline/execute.py",
@@ -445,6 +445,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "uncounted and metrics['comm'] differs from eager's",
            ("tests/shardings/step/test_jit.py::test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_"
             "fallback_warning",)),
+    Mutant("terapipe-prefix-grad-one-percent", "shardings/pipeline/execute.py",
+           "sums = self.present_grads.pop((s, mb), [None] * len(presents))",
+           "sums = [g if g is None else 1.01 * g for g in self.present_grads.pop((s, mb), [None] * len(presents))]",
+           "TeraPipe: the gradient later chunks send an earlier chunk's keys and values is backpropagated 1% too large",
+           ("tests/shardings/pipeline/test_seq_chunks.py::test_the_executor_equals_one_device_over_chunk_counts_and_"
+            "uneven_lengths",
+            "tests/shardings/pipeline/test_terapipe.py::test_pp_with_uneven_chunks_equals_one_device")),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

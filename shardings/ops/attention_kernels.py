@@ -42,11 +42,18 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
           mask: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ/√d) v`` by the fused kernel; ``mask (seq_q, seq_k)`` True = visible replaces ``causal``.
 
+    Causal with K/V longer than q (a prefix of ``p`` keys before the queries: TeraPipe's chunks) aligns the
+    queries with the last keys, query ``s`` seeing keys ``t <= p + s``: an explicit mask, as the kernel's own
+    ``is_causal`` aligns them with the first.
+
     >>> q = torch.randn(1, 6, 4, 8); kv = torch.randn(1, 6, 2, 8)
     >>> fused(q, kv, kv, causal=True).shape
     torch.Size([1, 6, 4, 8])
     """
     gqa = k.shape[2] != q.shape[2]
+    if causal and mask is None and k.shape[1] != q.shape[1]:
+        prefix = k.shape[1] - q.shape[1]
+        mask = q.new_ones((q.shape[1], k.shape[1]), dtype=torch.bool).tril(prefix)  # q's kind (a LocalTensor)
     out = F.scaled_dot_product_attention(*_heads_first(q, k, v), attn_mask=mask, is_causal=causal and mask is None,
                                          enable_gqa=gqa)
     return out.transpose(1, 2)

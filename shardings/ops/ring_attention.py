@@ -103,9 +103,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
 
 def _whole_seq_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     mask = None
-    if causal:
-        pos = _arange(q, q.shape[1])
-        mask = pos[:, None] >= pos[None, :]  # (seq_q, seq_k): query s sees keys t <= s
+    if causal:  # (seq_q, seq_k): query s sees keys t <= s; longer k/v hold a prefix: the queries are the last ones
+        mask = _arange(q, q.shape[1])[:, None] + (k.shape[1] - q.shape[1]) >= _arange(q, k.shape[1])[None, :]
     return _softmax_attention(q, k, v, mask)
 
 
@@ -335,7 +334,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         q: ``(batch, seq, heads, head_dim)``.
         k: ``(batch, seq, kv_heads, head_dim)``; ``kv_heads`` divides ``heads``.
         v: like ``k``.
-        causal: query ``s`` sees keys ``t <= s`` only.
+        causal: query ``s`` sees keys ``t <= s`` only. K/V longer than q (by ``p``) hold a prefix: the queries sit
+            at positions ``p..p+seq-1`` (TeraPipe's chunks; not where the layout splits ``seq``).
 
     Returns:
         ``(batch, seq, heads, head_dim)``: a DTensor laid out like the query under a mesh.

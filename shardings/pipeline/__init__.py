@@ -6,7 +6,9 @@ contiguous blocks to stages; a :class:`Schedule` (any of ``SCHEDULES``: ``gpipe`
 :func:`register_schedule`; or any list of actions per rank that :func:`check` accepts) says what each rank does
 in which order; :func:`run` executes it, on simulated or real ranks. A run's :func:`plan` makes these choices once
 (schedule, microbatches, split, who owns which block) for ``shardings.init`` and ``shardings.train_step``.
-``docs/pipeline.md`` shows how to write your own schedule.
+``docs/pipeline.md`` shows how to write your own schedule. ``plan(..., seq_chunks=k)`` also cuts each
+microbatch's sequence into ``k`` chunks (TeraPipe: :mod:`shardings.pipeline.seq_chunks` sizes them, :func:`cut`
+cuts a batch).
 
 May import: ``spec``, ``runtime``, ``comm``, ``residency``, ``ops``.
 """
@@ -29,6 +31,7 @@ from shardings.pipeline.schedule import (
     stages_per_rank,
     timeline,
 )
+from shardings.pipeline.seq_chunks import SeqChunks, cut
 from shardings.pipeline.stages import Split, Stages, split
 from shardings.pipeline.wire import Message
 from shardings.pipeline.zero_bubble import zb_h1, zb_v
@@ -43,11 +46,13 @@ __all__ = [
     "SavedActivations",
     "Schedule",
     "ScheduleError",
+    "SeqChunks",
     "Split",
     "Stages",
     "Timed",
     "build",
     "check",
+    "cut",
     "default_microbatches",
     "gpipe",
     "interleaved_1f1b",

@@ -23,7 +23,7 @@ def _error(schedule: Schedule, rank: int, action: Action, problem: str, fix: str
 
 
 def _check_shape(schedule: Schedule) -> None:
-    for field in ("pp", "microbatches", "stages_per_rank"):
+    for field in ("pp", "microbatches", "stages_per_rank", "seq_chunks"):
         if getattr(schedule, field) < 1:
             raise sharding_error(
                 f"{schedule.name}: {field}={getattr(schedule, field)}", fix=f"set {field} >= 1", cls=ScheduleError
@@ -62,13 +62,14 @@ def _check_actions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
                     f"no stage {a.stage} among {schedule.stages}",
                     fix=f"use stages 0..{schedule.stages - 1}",
                 )
-            if not 0 <= a.mb < schedule.microbatches:
+            if not 0 <= a.mb < schedule.units:
+                chunks = f" x {schedule.seq_chunks} chunks" if schedule.seq_chunks > 1 else ""
                 raise _error(
                     schedule,
                     r,
                     a,
-                    f"no microbatch {a.mb} among {schedule.microbatches}",
-                    fix=f"use microbatches 0..{schedule.microbatches - 1}",
+                    f"no microbatch {a.mb} among {schedule.microbatches}{chunks}",
+                    fix=f"use {'units' if chunks else 'microbatches'} 0..{schedule.units - 1}",
                 )
             if schedule.rank_of(a.stage) != r:
                 raise _error(
@@ -92,7 +93,7 @@ def _check_complete(schedule: Schedule, where: dict[Action, tuple[int, int]]) ->
     """One F and one B per stage and microbatch; one W each too, if any (a split backward is split throughout)."""
     split = schedule.split_backward
     for stage in range(schedule.stages):
-        for mb in range(schedule.microbatches):
+        for mb in range(schedule.units):
             for kind in COMPUTE if split else ("F", "B"):
                 if Action(kind, stage, mb) not in where:
                     fix = "run one F and one B per stage and microbatch"
@@ -132,7 +133,7 @@ def _check_order(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> No
     """On each rank: RECV_F < F < SEND_F and RECV_B < B < SEND_B where the stage communicates; F < B < W."""
     last = schedule.stages - 1
     for stage in range(schedule.stages):
-        for mb in range(schedule.microbatches):
+        for mb in range(schedule.units):
             forward, backward = Action("F", stage, mb), Action("B", stage, mb)
             rank, f_at = where[forward]
             b_at = where[backward][1]
@@ -180,6 +181,25 @@ def _check_order(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> No
                     )
 
 
+def _check_chunks(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
+    """TeraPipe (``seq_chunks > 1``): on each stage a chunk's F after its predecessor's (it attends over that
+    chunk's keys and values) and its B before its predecessor's (the predecessor's B needs the gradient of its
+    keys and values summed over every later chunk)."""
+    k = schedule.seq_chunks
+    for stage in range(schedule.stages):
+        for unit in range(schedule.units):
+            if unit % k == 0:
+                continue
+            for kind, first, then in (("F", unit - 1, unit), ("B", unit, unit - 1)):
+                before, after = Action(kind, stage, first), Action(kind, stage, then)
+                if where[after][1] < where[before][1]:
+                    why = ("it attends over the keys and values the earlier chunk's F makes" if kind == "F" else
+                           "the earlier chunk's B needs its keys' and values' gradients from every later chunk")
+                    raise _error(schedule, where[after][0], after,
+                                 f"{schedule.label(after)} runs before {schedule.label(before)}: {why}",
+                                 fix=f"place {schedule.label(after)} after {schedule.label(before)}")
+
+
 def check(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` naming the rank, the action and the fix if ``schedule`` cannot run.
 
@@ -200,4 +220,6 @@ def check(schedule: Schedule) -> None:
     _check_complete(schedule, where)
     _check_pairs(schedule, where)
     _check_order(schedule, where)
+    if schedule.seq_chunks > 1:
+        _check_chunks(schedule, where)
     timeline(schedule)

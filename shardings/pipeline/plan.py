@@ -8,6 +8,10 @@ materializes from it, ``shardings.train_step`` runs its schedule over its split,
 
 >>> plan = pipeline.plan("dp+pp", Mesh(dp=2, pp=2), params, schedule="zb_v", microbatches=4)  # doctest: +SKIP
 >>> print(plan)  # the split, then each rank's actions in time  # doctest: +SKIP
+
+With ``seq_chunks=k`` (TeraPipe) each microbatch's sequence is also cut into ``k`` chunks that flow through the
+stages in order (``gpipe`` and ``1f1b``); the plan's :class:`~shardings.pipeline.seq_chunks.SeqChunks` chooses
+their sizes (TeraPipe's dynamic program, or equal) and says why (``print(plan)`` with ``seq_len`` given).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 
 from core import tree
 from shardings.pipeline.schedule import Schedule, ScheduleError, build
-from shardings.pipeline.stages import Split, block_index, split
+from shardings.pipeline.seq_chunks import SeqChunks
+from shardings.pipeline.stages import Split, _numel, block_index, split
 from shardings.spec import layouts
 from shardings.spec.errors import sharding_error
 from shardings.spec.layouts import Layout
@@ -35,11 +40,24 @@ class Plan:
         schedule: the schedule, built for the mesh's ``pp`` size and the step's microbatches.
         split: which blocks each stage runs (``schedule.stages`` stages).
         blocks: the params key of the list of blocks (the model's ``Stages.blocks``).
+        chunks: how each microbatch's sequence is cut (TeraPipe: ``schedule.seq_chunks`` chunks), or ``None``.
+        seq_len: the sequence length the plan was made for (shown by ``str``), or ``None``.
     """
 
     schedule: Schedule
     split: Split
     blocks: str = "blocks"
+    chunks: SeqChunks | None = None
+    seq_len: int | None = None
+
+    @property
+    def seq_chunks(self) -> int:
+        """Chunks per microbatch's sequence (1: whole sequences)."""
+        return self.schedule.seq_chunks
+
+    def chunk_sizes(self, seq_len: int) -> tuple[int, ...]:
+        """The chunk sizes of a sequence of ``seq_len`` tokens (``(seq_len,)`` without seq_chunks)."""
+        return (seq_len,) if self.chunks is None else self.chunks.sizes(seq_len)
 
     @property
     def pp(self) -> int:
@@ -70,7 +88,8 @@ class Plan:
         return [None if b is None else self.owner(b) for b in indices]
 
     def __str__(self) -> str:
-        return f"{self.split}\n{self.schedule.table()}"
+        chunks = "" if self.chunks is None or self.seq_len is None else f"\n{self.chunks.explain(self.seq_len)}"
+        return f"{self.split}{chunks}\n{self.schedule.table()}"
 
 
 def default_microbatches(pp: int, accum_steps: int = 1, microbatches: int | None = None) -> int:
@@ -84,7 +103,7 @@ def default_microbatches(pp: int, accum_steps: int = 1, microbatches: int | None
 
 
 def _schedule(name_or_schedule: str | Schedule | None, pp: int, microbatches: int | None, accum_steps: int,
-              virtual_stages: int | None) -> Schedule:
+              virtual_stages: int | None, seq_chunks: int) -> Schedule:
     """The schedule, built or checked against the mesh and the microbatches asked for.
 
     Microbatches asked for: ``microbatches``, else ``accum_steps`` when > 1; none asked: a given schedule's own,
@@ -93,18 +112,25 @@ def _schedule(name_or_schedule: str | Schedule | None, pp: int, microbatches: in
     asked = microbatches if microbatches is not None else accum_steps if accum_steps > 1 else None
     if not isinstance(name_or_schedule, Schedule):
         return build(name_or_schedule, pp, default_microbatches(pp, accum_steps, microbatches),
-                     virtual_stages=virtual_stages)
+                     virtual_stages=virtual_stages, seq_chunks=seq_chunks)
     schedule = name_or_schedule
-    if schedule.pp != pp or asked not in (None, schedule.microbatches):
+    if schedule.pp != pp or asked not in (None, schedule.microbatches) or seq_chunks not in (1, schedule.seq_chunks):
         raise sharding_error(f"schedule {schedule.name!r} is for {schedule.pp} ranks and {schedule.microbatches} "
-                             f"microbatches; the step has pp={pp}, m={asked or schedule.microbatches}",
+                             f"microbatches{_chunked(schedule.seq_chunks)}; the step has pp={pp}, "
+                             f"m={asked or schedule.microbatches}{_chunked(seq_chunks)}",
                              fix="build the schedule for the mesh's pp and the step's microbatches", cls=ScheduleError)
     return schedule
 
 
+def _chunked(seq_chunks: int) -> str:
+    return f" of {seq_chunks} sequence chunks" if seq_chunks > 1 else ""
+
+
 def plan(layout: str | Layout, mesh: Mesh, params: Any, *, schedule: str | Schedule | None = None,
          microbatches: int | None = None, accum_steps: int = 1, virtual_stages: int | None = None,
-         stage_sizes: Sequence[int] | None = None, blocks: str = "blocks") -> Plan:
+         stage_sizes: Sequence[int] | None = None, blocks: str = "blocks", seq_chunks: int = 1,
+         chunk_sizes: str | Sequence[int] = "terapipe", seq_len: int | None = None,
+         attention_width: int | None = None) -> Plan:
     """The pipeline plan of a run whose layout pipelines the blocks (``pp``).
 
     Args:
@@ -120,9 +146,19 @@ def plan(layout: str | Layout, mesh: Mesh, params: Any, *, schedule: str | Sched
         virtual_stages: stages per rank, for a schedule that lets the caller choose (``interleaved_1f1b``).
         stage_sizes: blocks per stage (default: balanced by element count, :func:`~shardings.pipeline.split`).
         blocks: the params key of the list of blocks (the model's ``Stages.blocks``).
+        seq_chunks: TeraPipe: cut each microbatch's sequence into this many chunks, which flow through the stages
+            in order (``gpipe`` and ``1f1b``; the model's ``Stages.prefix_block`` runs a chunk after the earlier
+            ones' keys and values).
+        chunk_sizes: ``"terapipe"`` (the dynamic program of :mod:`shardings.pipeline.seq_chunks`: earlier chunks
+            longer, as later ones attend over more), ``"equal"``, or the sizes themselves.
+        seq_len: the sequence length, to show the chunk sizes and why in ``str(plan)`` (steps cut whatever
+            length their batch has).
+        attention_width: ``heads · head_dim`` for the chunks' cost model (default: read from a block's ``wq``, else
+            the width of its first vector).
 
     Raises:
-        ShardingError: the layout does not pipeline; a schedule built for another ``pp`` or microbatch count.
+        ShardingError: the layout does not pipeline; a schedule built for another ``pp`` or microbatch count;
+            seq_chunks under a layout that shards attention's sequence (cp).
         ScheduleError: an unknown schedule, or sizes it cannot run.
         ValueError: fewer blocks than stages, or ``stage_sizes`` that do not add up.
     """
@@ -130,8 +166,38 @@ def plan(layout: str | Layout, mesh: Mesh, params: Any, *, schedule: str | Sched
     if not layout.pipelined:
         raise sharding_error(f"layout {layout.name or layout!r} does not pipeline the blocks: it has no pipeline plan",
                              fix="add pp to the layout (e.g. 'dp+pp'), or pass no plan", mesh=mesh)
-    built = _schedule(schedule, mesh.axis_size("pp"), microbatches, accum_steps, virtual_stages)
-    return Plan(built, split(params, built.stages, blocks=blocks, sizes=stage_sizes), blocks)
+    built = _schedule(schedule, mesh.axis_size("pp"), microbatches, accum_steps, virtual_stages, seq_chunks)
+    cut = split(params, built.stages, blocks=blocks, sizes=stage_sizes)
+    chunks = None
+    if built.seq_chunks > 1:
+        chunks = _chunks(layout, mesh, params[blocks], built, chunk_sizes, attention_width)
+        if seq_len is not None:
+            chunks.sizes(seq_len)  # checked now
+    return Plan(built, cut, blocks, chunks, seq_len)
+
+
+def _chunks(layout: Layout, mesh: Mesh, blocks: Any, schedule: Schedule, rule: str | Sequence[int],
+            width: int | None) -> SeqChunks:
+    """The chunking of a TeraPipe plan: the cost model from the blocks' shapes, the quantum from the layout."""
+    from shardings.ops.ring_attention import Q_NAMES  # the attention's layout names (ops imports the pipeline)
+    from shardings.spec.rules import logical_to_spec
+
+    stage_mesh, rules = mesh.without("pp"), layout.role("activations")
+    if logical_to_spec(Q_NAMES, rules, stage_mesh).dim_axes()[1]:
+        raise sharding_error(f"seq_chunks={schedule.seq_chunks} under layout {layout.name!r}, whose attention splits "
+                             "the sequence (context parallelism): a chunk's attention over its prefix is not ring "
+                             "attention", fix="leave seq_chunks out, or use a layout without cp", mesh=mesh,
+                             cls=ScheduleError)
+    seq_axes = logical_to_spec(("batch", "seq", "embed"), rules, stage_mesh).dim_axes()[1]
+    if width is None:
+        first = blocks[0]
+        wq = first.get("wq") if isinstance(first, dict) else None
+        vectors = [x.shape[0] for x in tree.leaves(first) if len(getattr(x, "shape", ())) == 1]
+        width = int(wq.shape.numel() // wq.shape[0]) if wq is not None else (vectors[0] if vectors else 1)
+    per_block = _numel(blocks) / len(blocks)
+    return SeqChunks(schedule.seq_chunks, rule if isinstance(rule, str) else tuple(rule), token_cost=2 * per_block,
+                     pair_cost=4 * width, quantum=stage_mesh.axis_size(seq_axes) if seq_axes else 1,
+                     stages=schedule.stages, microbatches=schedule.microbatches)
 
 
 def plan_for(layout: str | Layout, mesh: Mesh, params: Any, given: Plan | None = None, **settings: Any) -> Plan | None:

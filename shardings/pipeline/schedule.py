@@ -38,6 +38,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "build",
+    "cuts_sequences",
     "gpipe",
     "one_f_one_b",
     "program",
@@ -70,6 +71,10 @@ class Action:
     to stage-1) or ``"RECV_B"`` (output-gradient from stage+1). ``str`` is compact and omits the stage: ``F3``,
     ``B0``, ``W0``, ``sF1``, ``rF1``, ``sB2``, ``rB2``.
 
+    In a schedule with ``seq_chunks = k`` (TeraPipe: each microbatch's sequence cut into ``k`` chunks), ``mb``
+    numbers the *units* (microbatch, chunk): unit ``mb·k + c`` is chunk ``c`` of microbatch ``mb``, so messages,
+    tags and the checker treat a chunk like a microbatch; :meth:`Schedule.label` writes it ``F1.0``.
+
     >>> str(Action("RECV_F", stage=1, mb=2)), str(Action("B", 0, 0))
     ('rF2', 'B0')
     """
@@ -95,6 +100,10 @@ class Schedule:
         placement: ``placement[s]`` is the rank that runs stage ``s``; ``None`` (default) places stage ``s`` on
             rank ``s % pp`` (round robin, as Megatron's virtual stages). ZB-V places a V: rank ``r`` runs
             stages ``r`` and ``2 pp - 1 - r``.
+        seq_chunks: chunks each microbatch's sequence is cut into (TeraPipe; default 1): the actions' ``mb`` then
+            numbers units ``microbatch·seq_chunks + chunk`` (:class:`Action`). A chunk's ``F`` on a stage runs after
+            the previous chunk's (it attends over that chunk's keys and values) and its ``B`` before it (it sends
+            those keys and values their gradients): ``check`` enforces both.
 
     >>> print(gpipe(2, 2))
     gpipe: pp=2, microbatches=2, bubble 33.3%
@@ -108,6 +117,19 @@ class Schedule:
     ranks: tuple[tuple[Action, ...], ...]
     stages_per_rank: int = 1  # model chunks per rank
     placement: tuple[int, ...] | None = None  # rank of each stage; None: stage s on rank s % pp
+    seq_chunks: int = 1  # TeraPipe: chunks per microbatch's sequence; actions' mb then numbers the units
+
+    @property
+    def units(self) -> int:
+        """The (microbatch, chunk) units each stage runs: ``microbatches * seq_chunks``."""
+        return self.microbatches * self.seq_chunks
+
+    def label(self, action: Action) -> str:
+        """``str(action)``, its unit written ``microbatch.chunk`` where the schedule cuts sequences (``F1.0``)."""
+        if self.seq_chunks == 1:
+            return str(action)
+        mb, chunk = divmod(action.mb, self.seq_chunks)
+        return f"{_SHORT.get(action.kind, action.kind)}{mb}.{chunk}"
 
     @property
     def stages(self) -> int:
@@ -134,10 +156,11 @@ class Schedule:
         cells = [["."] * makespan for _ in slots]
         for r, row in enumerate(slots):
             for t, action in row:
-                cells[r][t] = str(action)
+                cells[r][t] = self.label(action)
         width = max((len(c) for row in cells for c in row), default=1)
         label = len(f"rank {self.pp - 1}")
-        lines = [f"{self.name}: pp={self.pp}, microbatches={self.microbatches}, bubble {self.bubble():.1%}"]
+        chunks = f", seq_chunks={self.seq_chunks}" if self.seq_chunks > 1 else ""
+        lines = [f"{self.name}: pp={self.pp}, microbatches={self.microbatches}{chunks}, bubble {self.bubble():.1%}"]
         for r, row in enumerate(cells):
             lines.append(f"{f'rank {r}':<{label}} | {' '.join(c.ljust(width) for c in row)}".rstrip())
         return "\n".join(lines)
@@ -266,13 +289,14 @@ def program(computes: list[Action], stages: int) -> tuple[Action, ...]:
 # -- the registry ------------------------------------------------------------------------------------------------
 _BUILDERS: dict[str, Callable[..., Schedule]] = {}
 _STAGES_PER_RANK: dict[str, int | None] = {}
+_CUTS_SEQUENCES: set[str] = set()  # builders that take seq_chunks (TeraPipe)
 SCHEDULES = MappingProxyType(_BUILDERS)  # name -> builder(pp, microbatches[, virtual_stages])
 VIRTUAL_STAGES = MappingProxyType(_STAGES_PER_RANK)  # name -> stages per rank, None: the caller's virtual_stages
 Builder = TypeVar("Builder", bound=Callable[..., Schedule])
 
 
-def register_schedule(name: str, builder: Builder | None = None, *,
-                      stages_per_rank: int | None = 1) -> Builder | Callable[[Builder], Builder]:
+def register_schedule(name: str, builder: Builder | None = None, *, stages_per_rank: int | None = 1,
+                      seq_chunks: bool = False) -> Builder | Callable[[Builder], Builder]:
     """Make ``builder(pp, microbatches)`` known as ``name`` to :func:`build` (and so to ``train_step``, the
     pipeline plan and the ``pipeline.schedule`` setting of the experiment apps). Usable as a decorator.
 
@@ -282,6 +306,8 @@ def register_schedule(name: str, builder: Builder | None = None, *,
             ``(pp, microbatches, virtual_stages=v) -> Schedule``.
         stages_per_rank: model chunks each rank runs (1 for GPipe and 1F1B, 2 for ZB-V), or ``None`` where the
             caller chooses them with ``virtual_stages`` (default :data:`DEFAULT_VIRTUAL_STAGES`).
+        seq_chunks: the builder also takes ``seq_chunks=k`` (TeraPipe: each microbatch's sequence in ``k``
+            chunks; ``Schedule.seq_chunks``).
 
     >>> @register_schedule("gpipe_again")
     ... def gpipe_again(pp, microbatches):
@@ -289,9 +315,16 @@ def register_schedule(name: str, builder: Builder | None = None, *,
     """
     def add(fn: Builder) -> Builder:
         _BUILDERS[name], _STAGES_PER_RANK[name] = fn, stages_per_rank
+        if seq_chunks:
+            _CUTS_SEQUENCES.add(name)
         return fn
 
     return add if builder is None else add(builder)
+
+
+def cuts_sequences(name: str | None) -> bool:
+    """Whether schedule ``name`` (``None``: :data:`DEFAULT_SCHEDULE`) takes ``seq_chunks`` (TeraPipe)."""
+    return (DEFAULT_SCHEDULE if name is None else name) in _CUTS_SEQUENCES
 
 
 def stages_per_rank(name: str | None, virtual_stages: int | None = None) -> int:
@@ -318,7 +351,8 @@ def stages_per_rank(name: str | None, virtual_stages: int | None = None) -> int:
     return fixed
 
 
-def build(name: str | None, pp: int, microbatches: int, *, virtual_stages: int | None = None) -> Schedule:
+def build(name: str | None, pp: int, microbatches: int, *, virtual_stages: int | None = None,
+          seq_chunks: int = 1) -> Schedule:
     """The schedule ``name`` (a key of ``SCHEDULES``; ``None``: :data:`DEFAULT_SCHEDULE`) for ``pp`` ranks and
     ``microbatches`` microbatches.
 
@@ -326,43 +360,62 @@ def build(name: str | None, pp: int, microbatches: int, *, virtual_stages: int |
         virtual_stages: chunks of the model per rank, for a schedule registered with ``stages_per_rank=None``
             (``interleaved_1f1b``; default :data:`DEFAULT_VIRTUAL_STAGES`); the others have a fixed count
             (``VIRTUAL_STAGES``) and accept only that. The split has ``pp * virtual_stages`` stages.
+        seq_chunks: chunks per microbatch's sequence (TeraPipe), for the schedules registered with
+            ``seq_chunks=True`` (``gpipe``, ``1f1b``).
 
     >>> build("1f1b", 2, 3).bubble() == 1 / 4
+    True
+    >>> build("gpipe", 2, 2, seq_chunks=2).bubble() == 1 / 5
     True
     >>> build("interleaved_1f1b", 2, 4, virtual_stages=3).stages
     6
     """
     v = stages_per_rank(name, virtual_stages)
     name = DEFAULT_SCHEDULE if name is None else name
+    if seq_chunks != 1:
+        if name not in _CUTS_SEQUENCES:
+            raise sharding_error(
+                f"pipeline schedule {name!r} does not cut sequences into chunks (seq_chunks={seq_chunks})",
+                fix=f"use one of {sorted(_CUTS_SEQUENCES)} with seq_chunks, or leave seq_chunks out", cls=ScheduleError)
+        return _BUILDERS[name](pp, microbatches, seq_chunks=seq_chunks)
     if _STAGES_PER_RANK[name] is None:
         return _BUILDERS[name](pp, microbatches, virtual_stages=v)
     return _BUILDERS[name](pp, microbatches)
 
 
-@register_schedule("gpipe")
-def gpipe(pp: int, microbatches: int) -> Schedule:
+def _chunk_orders(microbatches: int, seq_chunks: int) -> tuple[list[int], list[int]]:
+    """The units' forward order (microbatch by microbatch, chunks in order) and backward order (microbatch by
+    microbatch, chunks last to first: a chunk's keys and values get their gradients from the later chunks)."""
+    forward = list(range(microbatches * seq_chunks))
+    return forward, [mb * seq_chunks + c for mb in range(microbatches) for c in reversed(range(seq_chunks))]
+
+
+@register_schedule("gpipe", seq_chunks=True)
+def gpipe(pp: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """GPipe: every rank runs all forwards, then all backwards, both in microbatch order 0..m-1.
 
     Backwards go 0..m-1 as in ``torch.distributed.pipelining.ScheduleGPipe`` (the paper's figure draws them
     m-1..0; the makespan is the same). Each rank holds all ``m`` microbatches' activations at its peak.
 
+    With ``seq_chunks = k`` (TeraPipe) the forwards run every unit (microbatch, chunk) in order and the backwards
+    each microbatch's chunks last to first.
+
     >>> [str(a) for a in gpipe(2, 2).ranks[1]]
     ['rF0', 'F0', 'rF1', 'F1', 'B0', 'sB0', 'B1', 'sB1']
     """
     check_sizes("gpipe", pp, microbatches)
+    check_sizes("gpipe", seq_chunks, 1, arg="seq_chunks")
     last = pp - 1
+    forward, backward = _chunk_orders(microbatches, seq_chunks)
     ranks = tuple(
-        tuple(
-            [a for mb in range(microbatches) for a in _forward(r, mb, last)]
-            + [a for mb in range(microbatches) for a in _backward(r, mb, last)]
-        )
+        tuple([a for u in forward for a in _forward(r, u, last)] + [a for u in backward for a in _backward(r, u, last)])
         for r in range(pp)
     )
-    return Schedule("gpipe", pp, microbatches, ranks)
+    return Schedule("gpipe", pp, microbatches, ranks, seq_chunks=seq_chunks)
 
 
-@register_schedule("1f1b")
-def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+@register_schedule("1f1b", seq_chunks=True)
+def one_f_one_b(pp: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then cool-down backwards.
 
     Rank ``r`` runs ``min(pp - r - 1, m)`` warm-up forwards, so at most ``min(pp - r, m)`` microbatches are in
@@ -370,18 +423,24 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     ``torch.distributed.pipelining.Schedule1F1B`` places them (it batches a send with the next receive):
     each receive right before its F/B, each send right after.
 
+    With ``seq_chunks = k`` (TeraPipe) it runs the units (microbatch, chunk) the same way, each microbatch's
+    backwards chunks last to first (:func:`gpipe`), and ``k - 1`` more warm-up forwards: the last chunk's
+    backward, which comes first, needs every chunk of its microbatch forward.
+
     >>> [str(a) for a in one_f_one_b(4, 4).ranks[1] if a.kind in ("F", "B")]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
     """
     check_sizes("1f1b", pp, microbatches)
-    last = pp - 1
+    check_sizes("1f1b", seq_chunks, 1, arg="seq_chunks")
+    last, units = pp - 1, microbatches * seq_chunks
+    forward, backward = _chunk_orders(microbatches, seq_chunks)
     ranks = []
     for r in range(pp):
-        warmup = min(pp - r - 1, microbatches)
-        actions = [a for mb in range(warmup) for a in _forward(r, mb, last)]
-        for mb in range(microbatches):  # steady state: F of mb + warmup, then B of mb; cool-down: B only
-            if mb + warmup < microbatches:
-                actions += _forward(r, mb + warmup, last)
-            actions += _backward(r, mb, last)
+        warmup = min(pp - r - 1 + seq_chunks - 1, units)
+        actions = [a for u in forward[:warmup] for a in _forward(r, u, last)]
+        for i, u in enumerate(backward):  # steady state: the next F, then a B; cool-down: B only
+            if i + warmup < units:
+                actions += _forward(r, forward[i + warmup], last)
+            actions += _backward(r, u, last)
         ranks.append(tuple(actions))
-    return Schedule("1f1b", pp, microbatches, tuple(ranks))
+    return Schedule("1f1b", pp, microbatches, tuple(ranks), seq_chunks=seq_chunks)

@@ -7,6 +7,13 @@ embedding) returns the *carry* that flows between blocks (a tensor, or a pytree 
 The model's own single-device loss is these functions composed (:meth:`Stages.loss`), so the
 pipeline's reference is the model's loss.
 
+A model opts in to TeraPipe (``pipeline.plan(..., seq_chunks=k)``: each microbatch's sequence cut into chunks
+that flow through the stages in order) by declaring ``prefix_block(params["blocks"][i], carry, i, past)``:
+block ``i`` on a chunk's carry after ``past``, the list of what the same block returned for the earlier chunks
+of the sequence, returning ``(carry, present)`` (a decoder: the chunk's keys and values). The executor keeps
+each stage's ``past`` until the chunks' backward, and sums the gradients later chunks send to a ``present``
+before that chunk's own backward. :meth:`Stages.chunked_loss` is the single-device loss run chunk by chunk.
+
 :func:`split` assigns contiguous blocks to stages, balancing cost (parameter count by default); the
 first stage also pays for what ``first`` uses and the last for what ``last`` uses. The split prints as a
 table and can be given explicitly instead.
@@ -36,6 +43,8 @@ class Stages:
     # carry -> the logical names of its tensors (a pytree like it): how a carry of DTensors is laid out when
     # it arrives from another process (real ranks under a layout); e.g. ``lambda x: ("batch", "seq", "embed")``
     carry_names: Callable[[Any], Any] | None = None
+    # TeraPipe (module docstring): block i on a chunk after the earlier chunks' presents -> (carry, present)
+    prefix_block: Callable[[Any, Any, int, list[Any]], tuple[Any, Any]] | None = None
 
     def __call__(self, params: Any, batch: Any) -> torch.Tensor:
         """The stages are a loss function: ``train_step(models.gpt.stages(cfg), ...)`` under any layout."""
@@ -47,6 +56,21 @@ class Stages:
         for i, p in enumerate(params[self.blocks]):
             carry = self.block(p, carry, i)
         return self.last(params, carry, batch)
+
+    def chunked_loss(self, params: Any, chunks: Sequence[Any], weights: Sequence[float]) -> torch.Tensor:
+        """The loss of a sequence cut into ``chunks`` (batches of consecutive tokens, first to last), each chunk's
+        loss times its ``weights`` share, the blocks run by ``prefix_block`` chunk after chunk: what a TeraPipe
+        pipeline computes, on one device."""
+        pasts: list[list[Any]] = [[] for _ in params[self.blocks]]
+        total = None
+        for chunk, w in zip(chunks, weights):
+            carry = self.first(params, chunk)
+            for i, p in enumerate(params[self.blocks]):
+                carry, present = self.prefix_block(p, carry, i, list(pasts[i]))
+                pasts[i].append(present)
+            loss = self.last(params, carry, chunk) * w
+            total = loss if total is None else total + loss
+        return total
 
 
 @dataclasses.dataclass(frozen=True)

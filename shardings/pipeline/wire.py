@@ -165,8 +165,10 @@ def _laid_out(g: Any, placements: Any) -> Any:
 class Wire:
     """One rank's sends and receives (the runner's transport on real processes)."""
 
-    def __init__(self, schedule: Schedule, rank: int, group: Any, layouts: list[Template]):
-        self.schedule, self.group, self.layouts = schedule, group, layouts
+    def __init__(self, schedule: Schedule, rank: int, group: Any, layouts: list[Template] | list[list[Template]]):
+        # layouts[boundary]; a TeraPipe schedule's chunks differ in length: layouts[chunk][boundary]
+        self.schedule, self.group = schedule, group
+        self.layouts = layouts if schedule.seq_chunks > 1 else [layouts]
         self.rank = rank
         self.local: dict[tuple[str, int, int], Any] = {}  # (kind, receiving stage, mb) -> payload
         self.sends: dict[Action, tuple[Any, torch.Tensor]] = {}  # in flight: the send's work and buffer
@@ -187,7 +189,8 @@ class Wire:
         if (kind, stage, mb) in self.local:
             return self.local.pop((kind, stage, mb))
         boundary, sender = (stage - 1, stage - 1) if kind == "F" else (stage, stage + 1)
-        buf = torch.empty(self.layouts[boundary].nbytes, dtype=torch.uint8)
+        layout = self.layouts[mb % self.schedule.seq_chunks][boundary]
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
         peer = self._peer(sender)
         message = (f"for the {'activations' if kind == 'F' else 'input gradient'} of microbatch {mb} from rank {peer} "
                    f"(stage {sender})")
@@ -199,7 +202,7 @@ class Wire:
                                f"({type(e).__name__}: {e})") from e
         for sent in self.delivered.get(Action(f"RECV_{kind}", stage, mb), ()):  # known received: free their buffers
             self.sends.pop(sent)[0].wait()
-        payload = self.layouts[boundary].unpack(buf)
+        payload = layout.unpack(buf)
         if kind == "B":  # the output's gradient in the layout the output had (conform() may have changed it to send)
             leaves, spec = pytree.tree_flatten(payload)
             payload = pytree.tree_unflatten([_laid_out(g, pl) for g, pl in zip(leaves, self.sent_as.pop((stage, mb)))],
@@ -216,7 +219,7 @@ class Wire:
         if kind == "F":
             self.sent_as[(stage, mb)] = [x.placements if isinstance(x, DTensor) else None
                                          for x in pytree.tree_leaves(payload)]
-        flat = self.layouts[boundary].pack(payload)
+        flat = self.layouts[mb % self.schedule.seq_chunks][boundary].pack(payload)
         self.p2p.append(Message(kind, stage, mb, flat.numel()))
         self.sends[Action(f"SEND_{kind}", stage, mb)] = (
             dist.isend(flat, dst=self._peer(to), group=self.group, tag=self._tag(kind, boundary, mb)), flat)

@@ -20,7 +20,7 @@ from typing import Any
 
 import core
 from shardings.pipeline import SCHEDULES
-from shardings.pipeline.schedule import VIRTUAL_STAGES, stages_per_rank
+from shardings.pipeline.schedule import VIRTUAL_STAGES, cuts_sequences, stages_per_rank
 from shardings.spec import layouts
 from shardings.spec.errors import ShardingError
 
@@ -44,6 +44,7 @@ class Candidate:
         remat: recompute each block in backward (``True``), keep its activations on the host (``"offload"``),
             or neither (``False``).
         precision: ``"fp32"`` (no policy), ``"bf16"`` or ``"fp16"`` (fp32 master weights and reduction).
+        seq_chunks: with ``pp``: TeraPipe's chunks per microbatch's sequence (1: whole sequences).
     """
 
     layout: str
@@ -53,6 +54,7 @@ class Candidate:
     virtual_stages: int | None = None
     remat: bool | str = False
     precision: str = "fp32"
+    seq_chunks: int = 1
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -72,7 +74,8 @@ class Candidate:
         parts = [self.layout, mesh_text(self.sizes)]
         if self.pipelined:
             v = f" v{self.virtual_stages}" if self.virtual_stages else ""
-            parts.append(f"{self.schedule}{v} m{self.microbatches}")
+            parts.append(f"{self.schedule}{v} m{self.microbatches}" + (f" k{self.seq_chunks}"
+                                                                         if self.seq_chunks > 1 else ""))
         elif self.microbatches > 1:
             parts.append(f"accum{self.microbatches}")
         if self.remat:
@@ -87,6 +90,8 @@ class Candidate:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.microbatches}"]
             if self.virtual_stages:
                 out.append(f"pipeline.virtual_stages={self.virtual_stages}")
+            if self.seq_chunks > 1:
+                out.append(f"pipeline.seq_chunks={self.seq_chunks}")
         elif self.microbatches > 1:
             out.append(f"accum_steps={self.microbatches}")
         if self.remat:
@@ -112,6 +117,8 @@ class Space:
         max_cp: the largest context-parallel degree (1: none).
         max_pp: the largest pipeline-parallel degree.
         offload: try the offload presets.
+        seq_chunks: TeraPipe's chunks per sequence to try with the schedules that cut sequences (``gpipe``,
+            ``1f1b``) on layouts that leave attention's sequence whole (1: whole sequences only, the default).
     """
 
     precisions: tuple[str, ...] = ("fp32",)
@@ -122,6 +129,7 @@ class Space:
     max_cp: int = 1
     max_pp: int = 16
     offload: bool = True
+    seq_chunks: tuple[int, ...] = (1,)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -237,7 +245,19 @@ def enumerate_candidates(world: int, cfg: Any, rows: int, seq: int, *, per_node:
             for precision, remat in itertools.product(space.precisions, space.remat):
                 for m, schedule, v in _pipelines(layout, sizes, rows // data, schedules, space, cfg):
                     out.append(Candidate(layout.name, mesh, m, schedule, v, remat, precision))
+                    out += [Candidate(layout.name, mesh, m, schedule, v, remat, precision, k)
+                            for k in _seq_chunks(layout, sizes, schedule, seq, space)]
     return list(dict.fromkeys(out))
+
+
+def _seq_chunks(layout: layouts.Layout, sizes: dict[str, int], schedule: str | None, seq: int,
+                space: Space) -> list[int]:
+    """TeraPipe's chunk counts for a pipelined candidate: the space's, where the schedule cuts sequences, attention's
+    sequence is whole (no cp) and each chunk holds at least one token per rank sharing the sequence (sp)."""
+    if schedule is None or not cuts_sequences(schedule) or sizes.get("cp", 1) > 1:
+        return []
+    quantum = sizes.get("tp", 1) if "sp" in layout.presets else 1
+    return [k for k in space.seq_chunks if k > 1 and seq % quantum == 0 and seq // quantum >= k]
 
 
 def _pipelines(layout: layouts.Layout, sizes: dict[str, int], local_rows: int, schedules: Sequence[str],

@@ -129,6 +129,10 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
         profiles: the model's one-device profile per ``(compute dtype, remat)``.
         period: the blocks' period.
     """
+    if cand.seq_chunks > 1:  # TeraPipe: the whole sequences' estimate, rescaled
+        from shardings.planner import seq_chunks
+
+        return seq_chunks.estimate(estimate, model, cfg, rows, cand, optimizer, profiles, period)
     layout = layout_of(cand.layout)
     sizes = cand.sizes
     compute = DTYPES[cand.precision][0]

@@ -103,7 +103,12 @@ def compile_loss(loss_fn: Callable, backend: str) -> Callable:
     options = dict(backend=backend, dynamic=False, fullgraph=True)
     if isinstance(loss_fn, Stages):
         block = _outside_modes(torch.compile(loss_fn.block, **options))
-        return dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))
+        compiled = dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))
+        if loss_fn.prefix_block is not None:  # TeraPipe's chunks: a graph per chunk position (its prefix's length)
+            prefix = _outside_modes(torch.compile(loss_fn.prefix_block, **options))
+            compiled = dataclasses.replace(compiled,
+                                           prefix_block=lambda p, x, i, past: prefix(_resolved(p), x, i, past))
+        return compiled
     whole = _outside_modes(torch.compile(loss_fn, **options))
     return lambda params, batch: whole(_resolved(params), batch)
 

@@ -45,7 +45,7 @@ import torch
 from core import tree
 from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
-from shardings.pipeline import Plan, Result, Stages, run
+from shardings.pipeline import Plan, Result, Stages, cut, run
 from shardings.residency import gather_buckets
 from shardings.runtime.compat import implicit_replication
 from shardings.spec import lower
@@ -72,7 +72,7 @@ def grads(ctx: GradContext, plan: ParamPlan, params: Any, batch: Any,
     """
     pipe, own = ctx.pipeline, plan.ownership
     batch = batching.place(batch, ctx.layout, ctx.mesh, ctx.accum_steps)
-    mbs = batching.split(batch, ctx.accum_steps)
+    mbs = _chunks(pipe, batching.split(batch, ctx.accum_steps))
     total = ctx.token_count(batch)
     weights = [ctx.token_count(mb) / total for mb in mbs]
     if scale is not None:
@@ -97,11 +97,19 @@ def grads(ctx: GradContext, plan: ParamPlan, params: Any, batch: Any,
     return loss, tree.unflatten(plan.treedef, reduced), total, dataclasses.replace(result, grads=None)
 
 
+def _chunks(pipe: Plan, mbs: list[Any]) -> list[Any]:
+    """TeraPipe: each microbatch cut along its sequence (dim 1) into the plan's chunks, in order."""
+    if pipe.seq_chunks == 1:
+        return mbs
+    length = next(x.shape[1] for x in tree.leaves(mbs[0]) if isinstance(x, torch.Tensor) and x.ndim > 1)
+    return [c for mb in mbs for c in cut(mb, pipe.chunk_sizes(length))]
+
+
 def metrics(pipe: Plan, result: Result) -> dict[str, Any]:
     """``metrics["pipeline"]``: the schedule, its planned bubble (unit-time F and B), each rank's most bytes of
     activations saved for backward at once, and where ranks ran concurrently (real processes) ``bubble``: each
     rank's measured idle fraction."""
-    out = {"schedule": pipe.schedule.name, "microbatches": pipe.microbatches,
+    out = {"schedule": pipe.schedule.name, "microbatches": pipe.microbatches, "seq_chunks": pipe.seq_chunks,
            "bubble_planned": pipe.schedule.bubble(), "saved_peak": list(result.saved_peak)}
     if result.measured:
         out["bubble"] = result.bubble()
@@ -151,4 +159,5 @@ def _in_stage(ctx: GradContext) -> Stages:
                 return f(*args)
         return call
 
-    return Stages(scoped(stages.first), scoped(stages.block), scoped(stages.last), stages.blocks)
+    prefix = stages.prefix_block and scoped(stages.prefix_block)
+    return Stages(scoped(stages.first), scoped(stages.block), scoped(stages.last), stages.blocks, prefix_block=prefix)

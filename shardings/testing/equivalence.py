@@ -173,6 +173,8 @@ def check_equivalence(
     exclude: Sequence[str] = (),
     jit: bool = False,
     jit_backend: str = DEFAULT_JIT_BACKEND,
+    seq_chunks: int = 1,
+    chunk_sizes: Any = "terapipe",
 ) -> Report:
     """Run each layout on simulated ranks and compare with the single-device reference, every step.
 
@@ -227,6 +229,8 @@ def check_equivalence(
         schedule: for layouts with ``pp``: a name from ``shardings.pipeline.SCHEDULES`` (default
             ``shardings.pipeline.DEFAULT_SCHEDULE``) or a ``shardings.pipeline.Schedule``; the pipeline plan
             (``shardings.pipeline.plan``) is made from it, ``accum_steps`` and the model's shapes.
+        seq_chunks, chunk_sizes: for layouts with ``pp``: TeraPipe's chunks per sequence and their sizes
+            (``shardings.pipeline.plan``'s); the reference still runs whole sequences.
         precision: a ``core.precision.Policy`` for both sides: the reference runs the same policy on one device
             (params cast to compute dtype, gradients rounded to reduce dtype, the same initial loss scale), and
             the tolerance rule uses the compute dtype's epsilon (:func:`check_runs`).
@@ -271,7 +275,7 @@ class Planned:
 
 def plan(init, loss, axes, cfg, batch, *, layouts, mesh, steps, optimizer, accum_steps, clip_norm, seed, terms, ulps,
          local, donate, bucket_mb, stages, schedule, precision, fp32_twin, tolerances, exclude, jit,
-         jit_backend) -> Planned:
+         jit_backend, seq_chunks=1, chunk_sizes="terapipe") -> Planned:
     """:func:`check_equivalence`'s runs, not run yet (its arguments, less ``runtime`` and ``raise_on_failure``)."""
     optimizer = optimizer if optimizer is not None else functools.partial(core.optim.adamw, 1e-3)
     axes = axes(cfg) if callable(axes) else axes
@@ -297,7 +301,8 @@ def plan(init, loss, axes, cfg, batch, *, layouts, mesh, steps, optimizer, accum
                 with deferred.deferred():  # shapes only: what the pipeline plan's split balances
                     shapes = init(key, cfg)
                 layout_loss, step_kw["plan"] = StagesOf(stages, cfg), pipeline_plan(
-                    layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks)
+                    layout, mesh, shapes, schedule=schedule, accum_steps=accum_steps, blocks=stages(cfg).blocks,
+                    seq_chunks=seq_chunks, chunk_sizes=chunk_sizes)
             jobs[layout.name + suffix] = (init, layout_loss, axes, cfg, batch, optimizer, steps, key, layout, mesh,
                                           step_kw)
         groups.append((policy, jobs))

@@ -58,3 +58,10 @@ def test_a_run_with_a_timeline_gets_planned_and_measured_charts_in_its_report(tm
     for name in ("gantt_planned_0.png", "gantt_measured_0.png"):
         assert tmp_path / "report" / name in written
         assert (tmp_path / "report" / name).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_terapipes_chunks_are_labelled_microbatch_dot_chunk():
+    schedule = pipeline.build("gpipe", 2, 2, seq_chunks=2)
+    labels = [b.label for b in gantt.planned(schedule) if b.rank == 0]
+    assert labels == ["F0.0", "F0.1", "F1.0", "F1.1", "B0.1", "B0.0", "B1.1", "B1.0"]
+    assert gantt.idle_fraction(gantt.planned(schedule), 2) == pytest.approx(schedule.bubble())

@@ -37,6 +37,8 @@ def test_pp_configs_build_with_the_stages_as_the_loss(overrides, want):
     assert isinstance(loss(setup), Stages)
     setup = build(train("layout=tp+sp+pp", "mesh=dp2_pp2_tp2", "runtime=simulate", "model=gpt_small"))
     assert setup.layout.name == "tp+sp+pp" and setup.mesh.shape == {"dp": 2, "pp": 2, "tp": 2}
+    setup = build(train(*PP, "pipeline.seq_chunks=2", "pipeline.chunk_sizes=equal"))  # TeraPipe's chunks
+    assert setup.plan.seq_chunks == 2 and setup.plan.chunk_sizes(16) == (8, 8)
     setup = build(train("layout=dp", "mesh=dp4", "pipeline.schedule=gpipe"))  # pipeline: ignored without pp
     assert (setup.microbatches, setup.plan) == (1, None) and not isinstance(loss(setup), Stages)
 
