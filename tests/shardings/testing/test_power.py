@@ -9,9 +9,10 @@ import torch
 
 import core
 import models.gpt as gpt
-from shardings import Mesh
-from shardings.testing import EquivalenceError, check_equivalence
+from shardings import Mesh, layouts
+from shardings.testing import EquivalenceError, check_equivalence, check_runs
 from shardings.testing.power import LADDER, Judge, detection_limit
+from shardings.testing.sharded_runs import run_layout
 from shardings.testing.tolerance import ULPS, UPDATE_FRACTION
 
 GEN = torch.Generator().manual_seed(0)
@@ -88,3 +89,71 @@ def test_an_overridden_tolerance_applies_to_its_leaves_and_the_table_says_so():
 def test_a_pattern_that_matches_no_leaf_is_an_error_not_a_silent_no_op():
     with pytest.raises(ValueError, match=r"patterns \['unembd'\].*match no leaf.*Fix: "):
         _check(exclude=["unembd"])
+
+
+# -- the stated limit is what the comparison sees (issue #43.4) --------------------------------------------------------
+
+SGD = functools.partial(core.optim.sgd, 0.1)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor`` (a planted bug in one leaf's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def _grad_off(params, batch, cfg, leaf, eps):
+    """gpt.loss whose gradient of the leaf at key path ``leaf`` is (1 + eps)x where ranks run (not on the reference)."""
+    if torch.distributed.is_initialized():
+        params = core.tree.map_with_path(
+            lambda p, x: _ScaleGrad.apply(x, 1 + eps) if core.tree.keystr(p) == leaf else x, params)
+    return gpt.loss(params, batch, cfg)
+
+
+def _tp_run(leaf=None, eps=0.0):
+    """The tp=2 run of CFG on simulated ranks (its gradient of ``leaf`` planted (1 + eps)x), for check_runs."""
+    loss = functools.partial(_grad_off, cfg=CFG, leaf=leaf, eps=eps)
+    return functools.partial(run_layout, "simulate", gpt.init, loss, gpt.axes(CFG), CFG, BATCH, SGD, 1,
+                             core.random.key(0), layouts.get("tp"), Mesh(tp=2), {})
+
+
+def _scaled(steps, leaf, eps):
+    """A run's per-step, per-rank values with the gradient of ``leaf`` scaled by 1 + eps after the fact."""
+    scale = lambda p, g: g * (1 + eps) if core.tree.keystr(p) == leaf else g
+    return [[{**r, "grads": core.tree.map_with_path(scale, r["grads"])} for r in ranks] for ranks in steps]
+
+
+def _check(runs):
+    return check_runs(runs, gpt.init, gpt.loss, CFG, BATCH, steps=1, optimizer=SGD, raise_on_failure=False)
+
+
+def _grads_ok(report, name):
+    return next(r for r in report.rows if (r.layout, r.quantity) == (name, "grads")).ok
+
+
+def test_an_error_at_the_stated_limit_is_caught_in_every_leaf_and_a_rung_below_passes_in_the_worst():
+    """The report's grads limit is its worst leaf's: an error of that size is caught in *any* one leaf (a limit
+    taken from the best-caught leaf would be missed in the worst), and the next rung of the ladder (a factor
+    2-2.5 smaller) passes in the leaf the report names. Planted through autograd (the gradient of the sharded
+    run itself) and, for every leaf, by scaling the run's gradient after the fact."""
+    honest = _tp_run()()
+    stated = next(x for x in _check({"tp": lambda: honest}).limits if x.quantity == "grads")
+    assert stated.uncounted == 0 and math.isfinite(stated.limit)  # every leaf counts; something is caught
+    below = LADDER[LADDER.index(stated.limit) + 1]
+    leaves = [core.tree.keystr(p) for p, _ in core.tree.leaves_with_path(honest[0][0]["grads"])]
+    runs = {f"at the limit in {leaf}": functools.partial(_scaled, honest, leaf, stated.limit) for leaf in leaves}
+    runs["worst leaf at the limit, through autograd"] = _tp_run(stated.worst_path, stated.limit)
+    runs["worst leaf a rung below, through autograd"] = _tp_run(stated.worst_path, below)
+    runs["worst leaf a rung below"] = functools.partial(_scaled, honest, stated.worst_path, below)
+    report = _check(runs)
+    missed = [name for name in runs if "at the limit" in name and _grads_ok(report, name)]
+    assert not missed, f"the stated limit {stated.limit:g} (set by {stated.worst_path}) is not caught: {missed}"
+    assert _grads_ok(report, "worst leaf a rung below, through autograd"), report.table()
+    assert _grads_ok(report, "worst leaf a rung below"), report.table()
