@@ -445,9 +445,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "uncounted and metrics['comm'] differs from eager's",
            ("tests/shardings/step/test_jit.py::test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_"
             "fallback_warning",)),
-    Mutant("terapipe-prefix-grad-one-percent", "shardings/pipeline/execute.py",
-           "sums = self.present_grads.pop((s, mb), [None] * len(presents))",
-           "sums = [g if g is None else 1.01 * g for g in self.present_grads.pop((s, mb), [None] * len(presents))]",
+    Mutant("terapipe-prefix-grad-one-percent", "shardings/pipeline/prefix.py",
+           "sums = self.sums.pop((s, unit), [None] * len(presents))",
+           "sums = [g if g is None else 1.01 * g for g in self.sums.pop((s, unit), [None] * len(presents))]",
            "TeraPipe: the gradient later chunks send an earlier chunk's keys and values is backpropagated 1% too large",
            ("tests/shardings/pipeline/test_seq_chunks.py::test_the_executor_equals_one_device_over_chunk_counts_and_"
             "uneven_lengths",

@@ -24,11 +24,8 @@
   split gives the same bits.
 * **TeraPipe** (``schedule.seq_chunks = k``): ``microbatches`` holds each microbatch's ``k`` chunks (unit
   ``mb·k + c``: :class:`~shardings.pipeline.schedule.Action`), and ``weights`` their token shares. A stage runs a
-  chunk's blocks by the model's ``Stages.prefix_block``, after the earlier chunks' presents (their keys and
-  values), which it keeps (per stage and microbatch, as fresh leaves) until the chunks' backward. A chunk's **B**
-  yields the gradients of those leaves too; they are summed per earlier chunk, in the order the later chunks'
-  backwards run (last first), and that sum is what the earlier chunk's **B** backpropagates from its presents,
-  next to its output gradient. A chunk's leaves are freed at its own **B** (every later chunk's has run).
+  chunk's blocks by the model's ``Stages.prefix_block`` after the earlier chunks' keys and values, and a chunk's
+  **B** also backpropagates the gradients the later chunks sent them (:mod:`shardings.pipeline.prefix`).
 * Every action is timed (``timeline``), every message counted (``p2p``, and as ``send`` on axis ``pp`` in
   :func:`shardings.comms`), and each rank's activations saved for backward are tracked
   (``saved_peak``: the most bytes held at once, parameters excluded).
@@ -50,6 +47,7 @@ from shardings.comm.accounting import recorded_as
 from shardings.comm.peak_memory import storages
 from shardings.pipeline.backward import backward_input, backward_weight
 from shardings.pipeline.check import check
+from shardings.pipeline.prefix import Prefixes
 from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.stages import Split, Stages
 from shardings.pipeline.wire import Message, Wire, cached_templates
@@ -186,14 +184,7 @@ class _Runner:
         self.losses: dict[int, torch.Tensor] = {}  # mb -> its loss times its token share
         self.timeline: list[Timed] = []
         self.k = schedule.seq_chunks  # TeraPipe: chunks per microbatch (module docstring)
-        if self.k > 1 and stages.prefix_block is None:
-            raise ValueError(f"pipeline run: the schedule cuts each sequence into {self.k} chunks, but the model's "
-                             "Stages declare no prefix_block (a block on a chunk after the earlier chunks' keys and "
-                             "values). Fix: declare Stages(prefix_block=...) (models.gpt does), or plan without "
-                             "seq_chunks.")
-        self.past: dict[tuple[int, int], list[list[Any]]] = {}  # (stage, mb) -> per block: each chunk's leaves
-        self.presents: dict[tuple[int, int], list[Any]] = {}  # (stage, unit) -> per block: its present
-        self.present_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}  # (stage, unit) -> summed
+        self.prefixes = Prefixes(stages, self.k) if self.k > 1 else None
 
     def _stage_leaves(self) -> list[list[torch.Tensor]]:
         """The parameters each stage may use: its blocks; the rest on the first and the last stage."""
@@ -218,8 +209,9 @@ class _Runner:
         with self.saved.hooks(rank):
             carry = self.stages.first(self.params, batch) if s == 0 else self.inputs.pop((s, mb))
             x = carry
-            if self.k > 1:
-                x = self._prefix_blocks(s, mb, x)
+            if self.prefixes is not None:
+                blocks = [(i, self.params[self.stages.blocks][i]) for i in self.split.ranges[s]]
+                x = self.prefixes.forward(s, mb, blocks, x)
             else:
                 for i in self.split.ranges[s]:
                     x = self.stages.block(self.params[self.stages.blocks][i], x, i)
@@ -228,30 +220,15 @@ class _Runner:
                 self.losses[mb] = x.detach()
         self.graphs[(s, mb)] = (carry, x)
 
-    def _prefix_blocks(self, s: int, unit: int, x: Any) -> Any:
-        """A chunk's blocks after the earlier chunks' presents; keeps its own (as leaves) for the later chunks."""
-        past = self.past.setdefault((s, unit // self.k), [[] for _ in self.split.ranges[s]])
-        presents = []
-        for j, i in enumerate(self.split.ranges[s]):
-            x, present = self.stages.prefix_block(self.params[self.stages.blocks][i], x, i, list(past[j]))
-            presents.append(present)
-            past[j].append(_receivable(present))
-        self.presents[(s, unit)] = presents
-        return x
-
     def _b(self, rank: int, s: int, mb: int) -> None:
         carry, out = self.graphs.pop((s, mb))
         last = s == self.split.stages - 1
         outs = [out] if last else _tensors(out)
         cots = [torch.ones_like(out)] if last else _tensors(self.out_grads.pop((s, mb)))
         past: list[torch.Tensor] = []
-        if self.k > 1:  # the chunk's presents get what the later chunks sent them; the earlier chunks' leaves theirs
-            presents = _tensors(self.presents.pop((s, mb)))
-            sums = self.present_grads.pop((s, mb), [None] * len(presents))
-            # zeros where no later chunk sent one (the last chunk): a compiled block's backward needs every tangent
-            outs = outs + presents
-            cots = cots + [torch.zeros_like(p) if g is None else g for p, g in zip(presents, sums)]
-            past = [x for block in self.past[(s, mb // self.k)] for x in _tensors(block[: mb % self.k])]
+        if self.prefixes is not None:  # its presents get what later chunks sent them; earlier chunks' leaves theirs
+            presents, present_cots, past = self.prefixes.backward_terms(s, mb)
+            outs, cots = outs + presents, cots + present_cots
         pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad and c is not None]
         inputs = [x for x in _tensors(carry) if x.requires_grad and x.is_leaf] + past  # received: fresh leaves
         outs, cots, leaves = [o for o, _ in pairs], [c for _, c in pairs], self.leaves[s]
@@ -261,35 +238,15 @@ class _Runner:
             grads = torch.autograd.grad(outs, inputs + leaves, cots, allow_unused=True)
             in_grads = grads[: len(inputs)]
             self._accumulate(s, mb, grads[len(inputs):])
-        if self.k > 1:
+        if self.prefixes is not None:
             own = len(inputs) - len(past)
-            in_grads = self._send_to_past(s, mb, in_grads[:own], in_grads[own:])
+            self.prefixes.send_to_past(s, mb, list(in_grads[own:]))
+            in_grads = in_grads[:own]
         if s > 0:
             it = iter(in_grads)
             self.in_grads[(s, mb)] = pytree.tree_map(
                 lambda x: (next(it) if x.requires_grad else torch.zeros_like(x)) if isinstance(x, torch.Tensor) else x,
                 carry)
-
-    def _send_to_past(self, s: int, unit: int, carry_grads: Any, past_grads: Any) -> Any:
-        """Add the gradients of the earlier chunks' presents to their sums (in the order the backwards run) and free
-        this chunk's leaves, which every later chunk's backward has used; returns the carry's gradients."""
-        mb, c = divmod(unit, self.k)
-        blocks = self.past[(s, mb)]
-        it = iter(past_grads)
-        sums: dict[int, list[torch.Tensor | None]] = {}
-        for block in blocks:  # the order _b listed them in: block by block, chunk by chunk
-            for earlier in range(c):
-                sums.setdefault(earlier, []).extend(next(it) for _ in _tensors(block[earlier]))
-        for earlier, grads in sums.items():  # per earlier chunk: its presents' tensors, block by block
-            key = (s, mb * self.k + earlier)
-            held = self.present_grads.get(key)
-            self.present_grads[key] = list(grads) if held is None else [
-                g if h is None else h if g is None else h + g for h, g in zip(held, grads)]
-        for block in blocks:
-            del block[c:]
-        if c == 0:
-            del self.past[(s, mb)]
-        return carry_grads
 
     def _w(self, rank: int, s: int, mb: int) -> None:
         self._accumulate(s, mb, backward_weight(self.pending_w.pop((s, mb)), self.leaves[s]))
