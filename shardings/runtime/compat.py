@@ -95,7 +95,6 @@ _WANTED = {  # module -> the names simulated ranks take from it
         "maybe_disable_local_tensor_mode",
         "maybe_run_for_local_tensor",
         "rank_map",
-    "substitute_in_graph",
     ),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),  # importing it registers the "fake" backend
 }
