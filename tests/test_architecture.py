@@ -6,6 +6,7 @@ Checked on the source (every ``import``/``from ... import``, function-level ones
 cannot slip past.
 """
 
+import ast
 import sys
 from pathlib import Path
 
@@ -146,29 +147,71 @@ def test_the_facade_re_exports_what_its_callers_need():
         assert name in shardings.__all__ and hasattr(shardings, name), name
 
 
-# Private torch names (a module or a name starting with "_" under torch) are imported in one module only.
-COMPAT = "shardings/runtime/compat.py"
+# Private torch names (a module or a name starting with "_" under torch), imported or reached by attribute, are used
+# in the compat modules only (shardings/runtime/compat.py and, below shardings, core/compat.py).
+COMPAT = ("shardings/runtime/compat.py", "core/compat.py")
 PRIVATE_TORCH_EXEMPT = {
-    # core may not import shardings (the layer test above): its pytree layer wraps torch.utils._pytree itself,
-    # and its fused optimizer calls torch's fused kernels
+    # core may not import shardings (the layer test above): its pytree layer wraps torch.utils._pytree itself
     "core/tree.py": "core is below shardings",
-    # a benchmark of torch.compile reads the compiler's own graph-break and recompile counters, which no public
-    # torch API exposes; it measures torch, not shardlab, so it does not go through shardlab's compat layer
+    # benchmarks of torch.compile read the compiler's own graph-break and recompile counters and switch its tracing
+    # of autograd ops, which no public torch API exposes; they measure torch, not shardlab, so they do not go
+    # through shardlab's compat layer
     "experiments/bench/rows.py": "torch._dynamo.utils.counters",
+    "experiments/bench/jit.py": "torch._dynamo.config.patch(trace_autograd_ops=True)",
 }
+
+
+# Reached by attribute and not counted: operator namespaces (torch.ops.<ns>.<op>: the dispatcher's registry, named
+# by torch's own op schemas) and the documented way to build a tensor subclass that wraps others.
+PUBLIC_ENOUGH = ("torch.ops.", "torch.Tensor._make_wrapper_subclass")
+
+
+def _private(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``torch.a.b`` for an attribute chain rooted at a plain name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base is not None else None
+    return None
+
+
+def private_attributes(path: Path) -> set[str]:
+    """The private torch names ``path`` reaches without importing them: ``torch._x`` (the first private step of an
+    attribute chain), ``getattr(torch..., "_x...")`` and private packages spelled as strings (``"torch._x.y"``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
+        if (dotted and _private(dotted) and not _private(dotted.rpartition(".")[0])
+                and not dotted.startswith(PUBLIC_ENOUGH)):
+            found.add(dotted)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and (_dotted(node.args[0]) or "").split(".")[0] == "torch"):
+            name = node.args[1]
+            text = name.value if isinstance(name, ast.Constant) else ast.unparse(name).lstrip("f'\"")
+            if isinstance(text, str) and text.startswith("_") and not text.startswith("__"):
+                found.add(f"getattr({_dotted(node.args[0])}, {ast.unparse(name)})")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("torch._"):
+            found.add(repr(node.value))
+    return found
 
 
 def private_torch_imports(root: Path = ROOT, packages: tuple[str, ...] = ("shardings", "experiments", "models",
                                                                          "core")) -> dict[str, list[str]]:
-    """Per file, the private torch modules or names it imports (``torch.x._y``, ``from torch.x import _y``)."""
+    """Per file, the private torch modules or names it imports (``torch.x._y``, ``from torch.x import _y``) or
+    reaches by attribute (:func:`private_attributes`)."""
     bad = {}
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
-            rel = str(path.relative_to(root))
-            if rel == COMPAT or rel in PRIVATE_TORCH_EXEMPT:
+            rel = path.relative_to(root).as_posix()
+            if rel in COMPAT or rel in PRIVATE_TORCH_EXEMPT:
                 continue
-            hits = sorted(m for m in imports(path, root) if m.split(".")[0] == "torch"
-                          and any(part.startswith("_") for part in m.split(".")[1:]))
+            hits = sorted({m for m in imports(path, root) if _private(m)} | private_attributes(path))
             if hits:
                 bad[rel] = hits
     return bad
@@ -186,6 +229,17 @@ def test_the_private_name_check_sees_modules_and_names(tmp_path):
     assert private_torch_imports(tmp_path, ("shardings",)) == {"shardings/x.py": [
         "torch.distributed._functional_collectives", "torch.distributed.tensor.placement_types._StridedShard",
         "torch.utils._pytree"]}
+
+
+def test_the_private_name_check_sees_attributes_getattr_and_module_strings(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "x.py").write_text(
+        "import torch\nwith torch._functorch.config.patch(a=1):\n    torch._C._current_graph_task_id()\n"
+        "f = getattr(torch, f'_foreach_{name}')\nM = 'torch._functorch._aot_autograd.runtime_wrappers'\n"
+        "v = torch.__version__\nok = torch.compiler.reset\n")
+    assert private_torch_imports(tmp_path, ("core",)) == {"core/x.py": [
+        "'torch._functorch._aot_autograd.runtime_wrappers'", "getattr(torch, f'_foreach_{name}')", "torch._C",
+        "torch._functorch"]}
 
 
 def test_tests_mirror_the_shardings_subpackages():

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from core import tree
+from core import compat, tree
 from core.optim.foreach import columns, use_foreach
 
 __all__ = [
@@ -141,11 +141,12 @@ def global_norm(updates: PyTree) -> torch.Tensor:
     leaves = [u for u in tree.leaves(updates) if isinstance(u, torch.Tensor)]
     if not leaves:
         return torch.zeros([], dtype=torch.float32)
-    if use_foreach(leaves) and not any(hasattr(u, "full_tensor") for u in leaves):
+    norms = compat.foreach("norm")  # None on a torch without it: the sum of squares below
+    if norms is not None and use_foreach(leaves) and not any(hasattr(u, "full_tensor") for u in leaves):
         # One foreach kernel for the per-leaf norms, then the norm of the norms (as
         # torch.nn.utils.clip_grad_norm_): equal to the sum of squares up to float rounding.
         # DTensor leaves keep the sum of squares below: it stays Partial and is reduced once.
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)))
+        return torch.linalg.vector_norm(torch.stack(norms(leaves, 2, dtype=torch.float32)))
     squares = [u.float().square().sum() for u in leaves]
     total = sum(squares[1:], squares[0])
     # A DTensor total is reduced once and brought back as a plain 0-d tensor (no import of

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from core import tree
+from core import compat, tree
 
 __all__ = ["FOREACH", "PER_LEAF", "Columns", "Kernels", "columns", "per_leaf", "use_foreach"]
 
@@ -64,7 +64,9 @@ def _per_leaf_op(name: str) -> Op:
 
 
 def _foreach_op(name: str) -> Op:
-    fn = getattr(torch, f"_foreach_{name}")
+    fn = compat.foreach(name)
+    if fn is None:  # a torch without this foreach kernel: one call per leaf
+        return _per_leaf_op(name)
     # torch's foreach ops refuse an empty list (e.g. a weight-decay mask that selects nothing).
     return lambda *args, **kwargs: fn(*args, **kwargs) if len(args[0]) else []
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from core import tree
+from core import compat, tree
 from core.optim.base import ScalarOrSchedule
 from core.optim.foreach import columns
 from core.optim.transforms import ScaleByScheduleState, _resolve_mask
@@ -66,10 +66,10 @@ def adamw_step(learning_rate: ScalarOrSchedule, b1: float, b2: float, eps: float
             groups.setdefault((p.device, p.dtype, g.dtype, decays[i]), []).append(i)
         t = count.to(torch.float32)
         for (_, _, _, decay), idx in groups.items():
-            torch._fused_adamw_([ps[i] for i in idx], [gs[i] for i in idx], [ms[i] for i in idx],
-                                [vs[i] for i in idx], [], [t] * len(idx), lr=lr, beta1=b1, beta2=b2,
-                                weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False,
-                                maximize=False)
+            compat.fused_adamw([ps[i] for i in idx], [gs[i] for i in idx], [ms[i] for i in idx],
+                               [vs[i] for i in idx], [], [t] * len(idx), lr=lr, beta1=b1, beta2=b2,
+                               weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False,
+                               maximize=False)
         new_lr_state = ScaleByScheduleState(lr_state.count + 1) if callable(learning_rate) else lr_state
         new_state = (adam._replace(count=count), *state[1:-1], new_lr_state)
         return params, new_state  # the same buffers, updated

@@ -19,7 +19,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardings.runtime.compat import all_gather_single, funcol, maybe_run_for_local_tensor, reduce_scatter_single
+from shardings.runtime.compat import (
+    all_gather_single,
+    current_graph_task_id,
+    funcol,
+    maybe_run_for_local_tensor,
+    reduce_scatter_single,
+)
 from shardings.spec.errors import sharding_error
 from shardings.spec.lower import rank_coords
 from shardings.spec.mesh import Mesh, register_group
@@ -85,7 +91,7 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
 
 def _resolve(axis_name: AxisName, op: str) -> _Axis:
     if not _meshes():
-        if torch._C._current_graph_task_id() != -1:  # recomputed in backward by activation checkpointing
+        if current_graph_task_id() != -1:  # recomputed in backward by activation checkpointing
             raise sharding_error(
                 f"{op}({axis_name!r}) was recomputed during backward, outside shard_map: core.remat inside "
                 "shard_map's f replays f's pieces where axis names are unbound",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from shardings.runtime.compat import grad_from_edges
+from shardings.runtime.compat import AOT_RUNTIME_MODULE, aot_config_patch, grad_from_edges
 
 __all__ = ["PendingWeightGrad", "backward_input", "backward_weight"]
 
@@ -50,10 +50,7 @@ class PendingWeightGrad:
 def _compiled(node: Any) -> bool:
     """Whether ``node`` is a compiled graph's backward (AOTAutograd's ``CompiledFunction``: one node for a whole
     ``torch.compile``d block), which computes every input's gradient in one call (module docstring)."""
-    return getattr(getattr(node, "_forward_cls", None), "__module__", "") == _AOT_RUNTIME
-
-
-_AOT_RUNTIME = "torch._functorch._aot_autograd.runtime_wrappers"
+    return getattr(getattr(node, "_forward_cls", None), "__module__", "") == AOT_RUNTIME_MODULE
 
 
 def _post_order(roots: list[Any]) -> list[Any]:
@@ -125,7 +122,7 @@ def backward_input(outputs: Sequence[torch.Tensor], cotangents: Sequence[torch.T
         if inputs:
             # retain_graph: for the eager nodes W re-enters. A compiled node never runs again (W starts below it), so
             # its donated buffers (saved tensors its backward may overwrite) are safe: torch's check is relaxed here
-            with torch._functorch.config.patch(donated_buffer=False):
+            with aot_config_patch(donated_buffer=False):
                 grads = list(torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True))
     finally:
         for h in handles:

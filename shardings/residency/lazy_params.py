@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardings.comm import flat_comm as fc
-from shardings.runtime.compat import pytree
+from shardings.runtime.compat import disable_torch_function_subclass, pytree
 from shardings.spec.placeholder import Placeholder, resolve
 
 __all__ = ["Gathers", "Lazy", "resolve"]
@@ -112,7 +112,7 @@ class Lazy(Placeholder):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         args, kwargs = pytree.tree_map_only(Lazy, resolve, (args, kwargs))
         return func(*args, **kwargs)

@@ -39,6 +39,8 @@ from torch.utils._python_dispatch import _disable_current_modes as disable_curre
 from shardings.spec.errors import sharding_error
 
 __all__ = [
+    "AOT_RUNTIME_MODULE",
+    "DTENSOR_GLOBAL_TENSOR_INFO",
     "HAS_SIMULATION",
     "MISSING",
     "SIMULATION_MODULES",
@@ -57,13 +59,18 @@ __all__ = [
     "TensorMeta",
     "TorchDispatchMode",
     "all_gather_single",
+    "aot_config_patch",
     "c10d_functional_op",
     "clear_sharding_prop_cache",
     "compute_local_shape_and_global_offset",
+    "current_graph_task_id",
     "disable_current_modes",
+    "disable_torch_function_subclass",
+    "dynamo_config_patch",
     "enabled_local_tensor_mode",
     "expand_to_full_mesh_op_strategy",
     "funcol",
+    "global_tensor_info",
     "grad_from_edges",
     "implicit_replication",
     "is_traceable_wrapper_subclass",
@@ -74,6 +81,7 @@ __all__ = [
     "reduce_scatter_single",
     "require_simulation",
     "resolve_process_group",
+    "substitute_in_graph",
     "unavailable",
 ]
 
@@ -237,3 +245,68 @@ def grad_from_edges(edges: Any, inputs: Any, grads: Any) -> tuple[torch.Tensor |
             f">= {SIMULATION_TORCH} when the model has custom autograd Functions; installed: {torch.__version__}",
             fix="use gpipe, 1f1b or interleaved_1f1b on this torch, or install torch>=2.13", cls=RuntimeError,
         ) from e
+
+
+# -- private torch reached by attribute: each checked on torch 2.11 and 2.13, with a fallback or a clear error --------
+
+AOT_RUNTIME_MODULE = "torch._functorch._aot_autograd.runtime_wrappers"  # a compiled graph's backward node's module
+
+
+def aot_config_patch(**settings: Any) -> contextlib.AbstractContextManager:
+    """``torch._functorch.config.patch(**settings)`` (AOTAutograd's settings); where this torch lacks the module or a
+    setting, nothing is patched (a torch without the setting has no such check to relax)."""
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is None or not all(hasattr(config, k) for k in settings):
+        return contextlib.nullcontext()
+    return config.patch(**settings)
+
+
+def dynamo_config_patch(**settings: Any) -> contextlib.AbstractContextManager:
+    """``torch._dynamo.config.patch(**settings)``; where this torch lacks a setting, nothing is patched."""
+    config = torch._dynamo.config
+    if not all(hasattr(config, k) for k in settings):
+        return contextlib.nullcontext()
+    return config.patch(**settings)
+
+
+def disable_torch_function_subclass() -> contextlib.AbstractContextManager:
+    """``torch._C.DisableTorchFunctionSubclass()``: a ``__torch_function__`` subclass's call runs torch's own."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def current_graph_task_id() -> int:
+    """``torch._C._current_graph_task_id()``: -1 outside a backward pass (autograd's engine), else its task's id;
+    -1 where this torch lacks it (then a recomputation in backward is not told apart)."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else -1
+
+
+def substitute_in_graph(original: Any, **kwargs: Any) -> Callable[[Callable], Callable]:
+    """``torch._dynamo.decorators.substitute_in_graph(original)``: what dynamo traces in place of a C function it
+    cannot; where this torch lacks either (``original`` is ``None``), the function is left as it is."""
+    decorators = getattr(torch._dynamo, "decorators", None)
+    if original is None or decorators is None or not hasattr(decorators, "substitute_in_graph"):
+        return lambda fn: fn
+    return decorators.substitute_in_graph(original, **kwargs)
+
+
+DTENSOR_GLOBAL_TENSOR_INFO = getattr(torch._C, "_DTensor_compute_global_tensor_info", None)  # C in torch 2.13
+
+
+@substitute_in_graph(DTENSOR_GLOBAL_TENSOR_INFO, skip_signature_check=True)
+def global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tuple[list[int], list[int]]:
+    """What dynamo runs for DTensor's ``compute_global_tensor_info``: the global shape and stride of a local
+    block. torch 2.13 made it a C function, which dynamo cannot trace, and calls it in the backward of
+    ``DTensor.to_local`` and in ``DTensor.from_local`` without ``shape``: each such call in a compiled block was a
+    graph break (findings §2). This is the Python version torch had before (Shard, Replicate, Partial). Checked
+    on torch 2.13; a torch without the C function traces its own Python one and this is not installed."""
+    shape, stride = list(tensor.size()), list(tensor.stride())
+    for m, placement in enumerate(placements):
+        n = mesh.size(m)
+        if placement.is_shard():
+            dim = placement.dim
+            shape[dim] *= n
+            stride = [s * n if i != dim and s >= stride[dim] else s for i, s in enumerate(stride)]
+        elif not (placement.is_replicate() or placement.is_partial()):
+            raise RuntimeError(f"placement type {type(placement)} not supported!")
+    return shape, stride

@@ -22,7 +22,7 @@ What makes a block traceable:
   ``blockwise`` and ``constrain`` take DTensor's own ``to_local``/``from_local``/``redistribute`` (the same blocks,
   layouts and backward) instead of their autograd functions that build DTensors by hand;
 - DTensor's ``compute_global_tensor_info`` (C in torch 2.13, called by ``to_local``'s backward): a Python
-  polyfill for dynamo (:func:`_global_tensor_info`).
+  polyfill for dynamo (``shardings.runtime.compat.global_tensor_info``, installed where the private names live).
 
 Under ``pp`` each stage's blocks run the compiled block (the pipeline executor calls ``Stages.block``), under every
 schedule; embedding, head, the carries' sends and receives and their arrival layout stay eager. Zero-bubble
@@ -51,7 +51,7 @@ import torch
 
 from core import tree
 from shardings.pipeline import Stages
-from shardings.runtime.compat import disable_current_modes
+from shardings.runtime.compat import disable_current_modes, dynamo_config_patch
 from shardings.runtime.simulate import simulated
 from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.layouts import Layout
@@ -69,24 +69,6 @@ DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp"
 
 class CompileFallbackWarning(UserWarning):
     """``train_step(jit=True)`` runs this layout's step eagerly: its path cannot be compiled yet."""
-
-
-@torch._dynamo.decorators.substitute_in_graph(torch._C._DTensor_compute_global_tensor_info, skip_signature_check=True)
-def _global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tuple[list[int], list[int]]:
-    """What dynamo runs for DTensor's ``compute_global_tensor_info``: the global shape and stride of a local
-    block. torch 2.13 made it a C function, which dynamo cannot trace, and calls it in the backward of
-    ``DTensor.to_local`` and in ``DTensor.from_local`` without ``shape``: each such call in a compiled block was a
-    graph break (findings §2). This is the Python version torch had before (Shard, Replicate, Partial)."""
-    shape, stride = list(tensor.size()), list(tensor.stride())
-    for m, placement in enumerate(placements):
-        n = mesh.size(m)
-        if placement.is_shard():
-            dim = placement.dim
-            shape[dim] *= n
-            stride = [s * n if i != dim and s >= stride[dim] else s for i, s in enumerate(stride)]
-        elif not (placement.is_replicate() or placement.is_partial()):
-            raise RuntimeError(f"placement type {type(placement)} not supported!")
-    return shape, stride
 
 
 def _resolved(tree_: Any) -> Any:
@@ -202,7 +184,7 @@ class Compiled:
             return
         try:
             with torch.compiler.set_stance("fail_on_recompile"), \
-                    torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                    dynamo_config_patch(fail_on_recompile_limit_hit=True):
                 yield
         except RuntimeError as e:
             if "recompile" not in str(e).lower():

@@ -38,7 +38,7 @@ def _sharded_run(init, loss_fn, axes, cfg, batch, optimizer, steps, key, layout,
         if step_kw.get("jit"):  # each layout's graphs compiled afresh: another layout's count against no limit
             import torch
 
-            torch._dynamo.reset()
+            torch.compiler.reset()
             # a check of the compiled step that ran the eager one would check nothing: the fallback is an error
             warnings.simplefilter("error", CompileFallbackWarning)
         return _steps(params, train_step(loss_fn, optimizer, layout=layout, mesh=mesh, axes=axes, **step_kw), batch,
