@@ -93,6 +93,7 @@ def test_predicted_peak_is_within_5_percent_of_real_processes():
                       Link(1e-4, 1e9), Link(1e-4, 1e9), 1e10)
     ranking = shardings.plan(models.gpt, CFG, (ROWS, CFG.seq_len), cluster, candidates=cands, top_k=len(cands),
                              budget_s=1e9)
-    for cand, real in zip(cands, measured):
-        predicted = ranking.row(cand).prediction.peak
-        assert predicted == pytest.approx(real, rel=0.05), (str(cand), predicted / real)
+    ratios = {str(cand): ranking.row(cand).prediction.peak / real for cand, real in zip(cands, measured)}
+    print("\n".join(f"{c:<50} predicted/measured {r:.3f}" for c, r in ratios.items()))  # the table (-s)
+    for cand, ratio in ratios.items():
+        assert ratio == pytest.approx(1.0, rel=0.05), (cand, ratio)
