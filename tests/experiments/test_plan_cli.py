@@ -127,3 +127,29 @@ def test_layout_auto_trains_a_researchers_model(tmp_path, capsys):
     assert winner and summary["layout"] == winner[1] != "auto"
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     assert OmegaConf.load(tmp_path / "config.yaml").model.config == {"vocab": 256}  # the rest: the module's defaults
+
+
+_MASKED = '''
+import torch.nn.functional as F
+from tests.experiments.llama_gqa import Config, init, axes, example_batch, embed, block, rms_norm
+
+
+def loss(params, batch, cfg):
+    x = embed(params, batch)
+    for p in params["blocks"]:
+        x = block(p, x, cfg)
+    logits, labels = rms_norm(x, params["norm"]) @ params["head"], batch["labels"]
+    keep = labels != 0  # a boolean mask indexed with: its size is data
+    return F.cross_entropy(logits[keep], labels[keep])
+'''
+
+
+def test_a_loss_that_needs_data_is_one_line_naming_the_op(tmp_path, monkeypatch, capsys):
+    (tmp_path / "scratch_models").mkdir()
+    (tmp_path / "scratch_models" / "__init__.py").write_text("")
+    (tmp_path / "scratch_models" / "masked_loss.py").write_text(_MASKED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert plan.main(["model.name=scratch_models.masked_loss", "explain=true", "layout=dp", "mesh=dp4", "batch_size=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: dp dp4 fp32: the step cannot run on fake tensors")
+    assert "aten.nonzero.default needs the values of a tensor" in err and "Fix: " in err
