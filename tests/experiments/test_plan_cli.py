@@ -149,7 +149,8 @@ def test_a_loss_that_needs_data_is_one_line_naming_the_op(tmp_path, monkeypatch,
     (tmp_path / "scratch_models" / "__init__.py").write_text("")
     (tmp_path / "scratch_models" / "masked_loss.py").write_text(_MASKED)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert plan.main(["model.name=scratch_models.masked_loss", "explain=true", "layout=dp", "mesh=dp4", "batch_size=4"]) == 2
+    args = ["model.name=scratch_models.masked_loss", "explain=true", "layout=dp", "mesh=dp4", "batch_size=4"]
+    assert plan.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: dp dp4 fp32: the step cannot run on fake tensors")
     assert "aten.nonzero.default needs the values of a tensor" in err and "Fix: " in err
