@@ -117,12 +117,33 @@ def run(cfg: Any) -> str:
         if world != cluster.world:
             raise ConfigError(f"mesh={cfg.mesh} has {world} ranks but cluster {cluster.name} has {cluster.world}. "
                               f"Fix: a mesh of {cluster.world} ranks, or another cluster.")
-        ranking = shardings.plan(module, model_cfg, batch, cluster, candidates=[cand], top_k=1, budget_s=1e9)
-        return "\n".join([head, str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)])
+        try:
+            ranking = shardings.plan(module, model_cfg, batch, cluster, candidates=[cand], top_k=1, budget_s=1e9)
+            answer = str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)
+        except RuntimeError as e:
+            op = _data_dependent_op(e)
+            if op is None:
+                raise
+            raise ConfigError(f"{cand}: the step cannot run on fake tensors (shapes without data): {op} needs the "
+                              "values of a tensor (.item(), a boolean mask's size, nonzero). Fix: make that step of "
+                              "the loss shape-only (e.g. a mask multiplied in, not indexed with), or check the "
+                              "candidate by running it (experiments.train, experiments.equivalence).") from None
+        return "\n".join([head, answer])
     space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
                   max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
     return "\n".join([head, ranking.table(cfg.top_k), *dropped_by_reason(ranking.dropped)])
+
+
+def _data_dependent_op(error: BaseException) -> str | None:
+    """The op a fake-tensor run stopped at because it needs data (torch's data-dependent errors carry it as
+    ``func``), looked for along the chain of causes; ``None`` for any other error."""
+    seen = error
+    while seen is not None:
+        if getattr(seen, "func", None) is not None and "fake" in type(seen).__module__:
+            return str(seen.func)
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def planned(name: str, model_cfg: Any, module: Any, batch: tuple[int, int]) -> str:

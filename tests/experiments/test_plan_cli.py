@@ -23,8 +23,9 @@ from tests.experiments.conftest import compose_config
 
 def test_fits_answers_yes_or_no_for_the_candidate_the_command_line_names(capsys):
     assert plan.main(["model=gpt_tiny", "fits=true", "layout=zero3", "mesh=dp4", "precision=bf16"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("fits: yes — zero3 dp4 bf16:") and "opt_state" in out
+    head, out = capsys.readouterr().out.split("\n", 1)
+    assert head.startswith("planning gpt Config(") and out.startswith("fits: yes — zero3 dp4 bf16:")
+    assert "opt_state" in out
 
 
 def test_explain_names_a_pipelined_candidates_schedule(capsys):
@@ -116,12 +117,40 @@ def _simulated_bytes(cand, cfg, rows: int) -> dict:
 
 
 def test_layout_auto_trains_a_researchers_model(tmp_path, capsys):
-    """``layout=auto model.name=<module>``: the planner plans the module's own Config (no remat field) and the
-    winner trains (simulated ranks, 2 steps)."""
-    cfg = compose_config("train", [f"model.name={LLAMA}", "layout=auto", "mesh=dp4", "runtime=simulate", "steps=2",
-                                   "data.source=random", "data.batch_size=8", "progress=false"])
+    """``layout=auto model.name=<module>``: the planner plans the module's own Config (no remat field; bytes for
+    vocab) and the winner trains (simulated ranks, 2 steps)."""
+    cfg = compose_config("train", [f"model.name={LLAMA}", "model.config.vocab=256", "layout=auto", "mesh=dp4",
+                                   "runtime=simulate", "steps=2", "data.max_bytes=200000", "data.batch_size=8",
+                                   "progress=false"])
     summary = run(cfg, str(tmp_path))
     winner = re.search(r"^winner: layout=(\S+) mesh=(\S+)", capsys.readouterr().out, re.M)
     assert winner and summary["layout"] == winner[1] != "auto"
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
-    assert OmegaConf.load(tmp_path / "config.yaml").model.config == {}  # the module's own defaults
+    assert OmegaConf.load(tmp_path / "config.yaml").model.config == {"vocab": 256}  # the rest: the module's defaults
+
+
+_MASKED = '''
+import torch.nn.functional as F
+from tests.experiments.llama_gqa import Config, init, axes, example_batch, embed, block, rms_norm
+
+
+def loss(params, batch, cfg):
+    x = embed(params, batch)
+    for p in params["blocks"]:
+        x = block(p, x, cfg)
+    logits, labels = rms_norm(x, params["norm"]) @ params["head"], batch["labels"]
+    keep = labels != 0  # a boolean mask indexed with: its size is data
+    return F.cross_entropy(logits[keep], labels[keep])
+'''
+
+
+def test_a_loss_that_needs_data_is_one_line_naming_the_op(tmp_path, monkeypatch, capsys):
+    (tmp_path / "scratch_models").mkdir()
+    (tmp_path / "scratch_models" / "__init__.py").write_text("")
+    (tmp_path / "scratch_models" / "masked_loss.py").write_text(_MASKED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["model.name=scratch_models.masked_loss", "explain=true", "layout=dp", "mesh=dp4", "batch_size=4"]
+    assert plan.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: dp dp4 fp32: the step cannot run on fake tensors")
+    assert "aten.nonzero.default needs the values of a tensor" in err and "Fix: " in err
