@@ -100,19 +100,18 @@ def cells() -> list[tuple[str, str, str]]:
 
 
 def sample(seed: int = 0) -> list[tuple[str, str, str]]:
-    """A deterministic subset of :func:`cells` covering every model, family and feature at least once: cells drawn in
-    a seeded order, a cell kept when it covers something not yet covered, 8-rank cells (the costliest) only for
-    what nothing cheaper covers."""
+    """A deterministic subset of :func:`cells` covering every model, family and feature at least once: a greedy set
+    cover, each time the cell that covers the most not yet covered per unit of cost (ties: a seeded order)."""
     order = [c for c in cells() if not declared(*c)]
     random.Random(seed).shuffle(order)
-    order.sort(key=_cost)  # stable: cheap cells first, cells of one cost in the seeded order
     kept, seen = [], set()
-    for cell in order:
-        new = {("model", cell[0]), ("family", cell[1]), ("feature", cell[2])} - seen
-        if new:
-            kept.append(cell)
-            seen |= new
-    return kept
+    items = lambda c: {("model", c[0]), ("family", c[1]), ("feature", c[2])}
+    while True:
+        best = max(order, key=lambda c: len(items(c) - seen) / _cost(c))  # max keeps the first of equals
+        if not items(best) - seen:
+            return kept
+        kept.append(best)
+        seen |= items(best)
 
 
 def selected() -> list[tuple[str, str, str]]:
