@@ -41,8 +41,8 @@ FEATURES = {
     "real": "check_equivalence on real processes (gloo), fp32, 1 AdamW step",
     "jit": "check_equivalence of train_step(jit=True) on real processes (aot_eager), 1 AdamW step",
     "train": "experiments.train's training loop (model.name=tests.zoo.<m>) on real processes, 2 steps",
-    "resume": "a checkpoint saved after step 1 under the cell's layout, resumed under another, equal to the "
-              "uninterrupted run after step 2",
+    "resume": "a checkpoint (params and momentum) saved after step 1 under the cell's layout, resumed under another, "
+              "equal to the uninterrupted run after step 2",
 }
 
 # model -> why a family is not a column of its row (not an error: the layout has nothing to split there)
