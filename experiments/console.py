@@ -19,6 +19,7 @@ from typing import TextIO
 
 __all__ = ["ERROR_LOG", "LOG", "WARNINGS", "Console", "error_line"]
 
+_PRINT = warnings._showwarnmsg_impl  # stdlib default: print to stderr (a console line replaces it)
 LOG = "train.log"  # Hydra's job log file name for the train app: its own records land there too
 ERROR_LOG = "error.log"
 WARNINGS = "warnings.jsonl"
@@ -69,6 +70,9 @@ class Console:
         seen: set[str] = set()
 
         def show(message, category, filename, lineno, file=None, line=None) -> None:
+            recorder = warnings._showwarnmsg_impl  # what catch_warnings(record=True) swaps in
+            if recorder is not _PRINT:  # an outer recorder (pytest.warns, catch_warnings(record=True)) gets it too
+                recorder(warnings.WarningMessage(message, category, filename, lineno, file, line))
             text = f"{category.__name__}: {message}"
             if text in seen:
                 return

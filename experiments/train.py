@@ -392,7 +392,8 @@ def app(cfg: DictConfig) -> float:
         console.line(f"nothing to do: already trained to step {summary['resumed_from']} (its checkpoint)")
         return float("nan")
     compiled = f", compile {summary['compile_s']:.1f} s" if summary.get("compile_s") is not None else ""
-    console.line(f"{summary['layout']} on {summary['mesh']}: loss {summary['first_loss']:.3f} -> "
+    where = resume.where({"layout": summary["layout"], "mesh": {"sizes": summary["mesh"]}})
+    console.line(f"{where}: loss {summary['first_loss']:.3f} -> "
                  f"{summary['final_loss']:.3f}, {summary['tokens_per_s']:,.0f} tok/s{compiled}, comm "
                  f"{human_bytes(summary['comm_bytes_per_step'])}/step, memory "
                  f"{human_bytes(summary['memory_per_rank'])}/rank")

@@ -63,7 +63,8 @@ def test_fp16_skips_a_nan_batch_and_its_loss_scale_survives_a_resume(tmp_path):
     shutil.copytree(ref / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
     (resumed / "drill").mkdir()
     run(compose_config("train", [*FP16_JOB, f"model.config.drill_dir={resumed / 'drill'}", "model.config.fault=none",
-                                 "model.config.fault_step=0"]), str(resumed))  # the same fields: the same key paths
+                                 "model.config.fault_step=0",  # the same fields: the same key paths
+                                 "checkpoint.allow_changes=true"]), str(resumed))  # only the fault's fields differ
     got = _records(resumed)
     for s in (3, 4):  # the scale and the skip counter came back from the checkpoint, not from their defaults
         assert (got[s]["loss"], got[s]["loss_scale"], got[s]["skipped_steps"]) == (

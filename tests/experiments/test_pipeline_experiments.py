@@ -115,7 +115,7 @@ def test_simulated_pp_train_records_the_pipeline_and_resumes_under_dp(tmp_path):
 
     # the pp checkpoint (params on the stage mesh) resumes under another layout and mesh
     cfg = compose_config("train", [*FAST, "layout=dp", "mesh=dp4", "runtime=simulate", "steps=4",
-                                   "checkpoint.every=4", ckpt])
+                                   "checkpoint.every=4", ckpt, "checkpoint.allow_changes=true"])  # steps: 3 -> 4
     resumed = run(cfg, str(tmp_path / "dp"))
     assert resumed["resumed_from"] == 3 and resumed["steps"] == 1
     assert math.isfinite(resumed["final_loss"])
