@@ -148,7 +148,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
             _world_size(cfg.runtime, mesh)
         if layout.pipelined:
             _check_stages_declared(module)
-        layouts.validate(layout, mesh)
+        layouts.resolve(layout, mesh)  # validated once: init and train_step pass it straight through
         with deferred.deferred():  # shapes only: nothing is drawn
             shapes = module.init(core.random.key(0), model_cfg)
         for role in layouts.PARAM_ROLES:

@@ -452,6 +452,28 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/pipeline/test_seq_chunks.py::test_the_executor_equals_one_device_over_chunk_counts_and_"
             "uneven_lengths",
             "tests/shardings/pipeline/test_terapipe.py::test_pp_with_uneven_chunks_equals_one_device")),
+    # -- #39: the step's context, one home per decision -------------------------------------------------------
+    Mutant("batch-rows-check-skips-divisibility", "shardings/step/batching.py",
+           "    if rows < 1 or rows % parts:",
+           "    if rows < 1:",
+           "a global batch that does not split over data ranks × microbatches is not refused (the one check)",
+           ("tests/shardings/step/test_train_step.py::test_batch_not_divisible_by_data_ranks_times_accumulation_is_a_"
+            "clear_error",)),
+    Mutant("pipeline-microbatches-ignore-accum-steps", "shardings/pipeline/plan.py",
+           "    return microbatches if microbatches is not None else accum_steps if accum_steps > 1 else pp",
+           "    return microbatches if microbatches is not None else pp",
+           "a pipelined run's microbatch default forgets accum_steps (the one home of that default)",
+           ("tests/shardings/pipeline/test_plan.py::test_defaults_are_written_once",)),
+    Mutant("train-step-takes-gone-keywords-silently", "shardings/step/train_step.py",
+           "    for name in gone:",
+           "    for name in ():",
+           "train_step accepts schedule=/microbatches=/stage_sizes=/virtual_stages= and ignores them",
+           ("tests/shardings/pipeline/test_train_step.py::test_bad_input_is_refused_before_any_work",)),
+    Mutant("pipeline-result-not-kept", "shardings/step/train_step.py",
+           "loss, g, tokens, self.last = pipeline_path.grads(ctx, plan, params, batch, scale)",
+           "loss, g, tokens, _ = pipeline_path.grads(ctx, plan, params, batch, scale)",
+           "the step drops the Result the pipeline path returns: metrics['pipeline'] has no saved peaks",
+           ("tests/shardings/pipeline/test_train_step.py::test_metrics_count_p2p_per_rank_and_report_the_pipeline",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

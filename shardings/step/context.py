@@ -41,7 +41,7 @@ class ParamPlan(NamedTuple):
 
 
 class GradContext(NamedTuple):
-    """What a gradient path reads: the step's settings, resolved once (``loss_fn``: the compiled one under jit)."""
+    """What a gradient path reads: the step's settings, resolved once."""
 
     layout: Layout
     mesh: Mesh  # where the parameters live: the stage mesh (``mesh.without("pp")``) under pp
@@ -52,6 +52,12 @@ class GradContext(NamedTuple):
     accum_steps: int  # microbatches per step: the pipeline plan's under pp
     bucket_mb: float | None
     pipeline: Plan | None  # the run's pipeline plan (pp), else None
+    compiled: Callable | None = None  # the loss (or Stages) whose blocks run compiled graphs, where the step compiles
+
+    @property
+    def run_fn(self) -> Callable:
+        """What runs the model's compute: the compiled loss where the step compiles, else ``loss_fn``."""
+        return self.compiled if self.compiled is not None else self.loss_fn
 
 
 class UpdateContext(NamedTuple):

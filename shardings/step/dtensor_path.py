@@ -60,7 +60,7 @@ def grads(ctx: GradContext, plan: ParamPlan, params: Any, batch: Any,
                 compute, gathers = gather_buckets.gather(leaves, plan.placements["compute"], ctx.bucket_mb,
                                                          plan.units, ctx.cast)
                 compute = [ctx.cast.to_compute(x) for x in compute]
-                loss = ctx.loss_fn(tree.unflatten(plan.treedef, compute), mb) * weight
+                loss = ctx.run_fn(tree.unflatten(plan.treedef, compute), mb) * weight
                 del compute
                 gathers.close()  # forget every gathered bucket: autograd holds what backward needs
                 scaled = loss if scale is None else loss * scale

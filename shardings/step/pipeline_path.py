@@ -150,8 +150,8 @@ class _CarryPlacements(NamedTuple):
 
 def _in_stage(ctx: GradContext) -> Stages:
     """The stage functions run with this layout's rules on the stage mesh (``constrain`` resolves there); the
-    blocks compiled where ``ctx.loss_fn`` is the compiled one."""
-    stages = ctx.loss_fn
+    blocks compiled where the step compiles (``ctx.run_fn``); the carries' layout reads the eager ``ctx.loss_fn``."""
+    stages = ctx.run_fn
 
     def scoped(f):
         def call(*args):

@@ -165,7 +165,7 @@ class TrainStep:
     def _grads(self, params: Any, batch: Any, scale: torch.Tensor | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
         plan, ctx = self.plan(params), self.context
         compiling = self.compiled is not None and self.compiled.compiles(ctx.layout, local=plan.local is not None)
-        ctx = ctx._replace(loss_fn=self.compiled.loss_fn) if compiling else ctx
+        ctx = ctx._replace(compiled=self.compiled.loss_fn) if compiling else ctx
         with self.compiled.running(batch) if compiling else contextlib.nullcontext():
             if ctx.layout.pipelined:
                 loss, g, tokens, self.last = pipeline_path.grads(ctx, plan, params, batch, scale)
@@ -174,7 +174,7 @@ class TrainStep:
             if plan.local is None:
                 return dtensor_path.grads(ctx, plan, params, batch, scale)
             rows = [tree.map(lambda x: x.to_local(), mb) for mb in batching.split(batch, ctx.accum_steps)]
-            loss, g, tokens = local_step.run(plan.local, ctx.mesh, ctx.loss_fn, plan.treedef, tree.leaves(params),
+            loss, g, tokens = local_step.run(plan.local, ctx.mesh, ctx.run_fn, plan.treedef, tree.leaves(params),
                                              rows, ctx.token_count, ctx.cast, plan.placements["opt_state"], scale)
         return loss, tree.unflatten(plan.treedef, g), tokens
 
