@@ -81,7 +81,8 @@ DECLARED: dict[tuple[str, str, str], Declared] = {
                                         "of 64 gets byte ids up to 255: " + _BYTES),
     ("vit", "*", "train"): Declared(AttributeError, "has no attribute 'seq_len'", "an image model has no "
                                     "sequence length for the text pipeline: " + _BYTES),
-    **{("moe_top2", f, "jit"): Declared(LaunchError, "aten._assert_async", _ONE_HOT) for f in ("tp+sp", "cp", "ep")},
+    **{("moe_top2", f, "jit"): Declared(LaunchError, "aten._assert_async", _ONE_HOT)
+       for f in ("tp+sp", "cp", "ep", "dp+pp")},
     **{(m, f, "jit"): Declared(LaunchError, "PendingUnbackedSymbolNotFound", _UNBACKED)
        for m in ("llama_gqa", "gpt2", "vit", "moe_top2") for f in ("zero3+tp+sp", "zero3+tp+pp")},
     ("gated_conv", "cp", "jit"): Declared(EquivalenceError, "FAIL", _CONV_CP),
