@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import tests.zoo as zoo
-from shardings.testing import check_equivalence, check_equivalences
+from shardings.testing import EquivalenceError, check_equivalence, check_equivalences
 from tests.experiments.conftest import compose_config
 from tests.zoo import features
 
@@ -29,7 +29,10 @@ TRAINS = [c for c in zoo.selected() if c[2] == "train" and not zoo.declared(*c)]
 # each distinct error declared for a real-process equivalence cell, once (its cheapest cell), in its own launch (a
 # rank that raises ends the launch it shares)
 DECLARED = sorted({zoo.DECLARED[c].match: c for c in sorted(
-    (c for c in zoo.DECLARED if c[2] in ("jit", "real")), key=zoo._cost, reverse=True)}.values())
+    (c for c in zoo.DECLARED if c[2] in ("jit", "real") and zoo.DECLARED[c].error is not EquivalenceError),
+    key=zoo._cost, reverse=True)}.values())
+# each declared wrong result: it runs in the shared launch (a check that fails raises nothing there)
+WRONG = [c for c in zoo.DECLARED if c[2] in ("jit", "real") and zoo.DECLARED[c].error is EquivalenceError]
 
 
 def _id(cell: tuple[str, str, str]) -> str:
@@ -39,7 +42,7 @@ def _id(cell: tuple[str, str, str]) -> str:
 @pytest.fixture(scope="module")
 def reports():
     """Every selected real/jit cell's report: one launch per world size for all of them."""
-    return check_equivalences({_id(c): features.check_args(*c) for c in CHECKS}, raise_on_failure=False)
+    return check_equivalences({_id(c): features.check_args(*c) for c in CHECKS + WRONG}, raise_on_failure=False)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,13 @@ def test_a_declared_combination_on_real_ranks_gives_its_declared_error(cell):
     want = zoo.declared(*cell)
     with pytest.raises(want.error, match=re.escape(want.match)):
         check_equivalence(**features.check_args(*cell), runtime="multiprocess")
+
+
+@pytest.mark.parametrize("cell", WRONG, ids=_id)
+def test_a_declared_wrong_result_on_real_ranks_is_still_wrong(reports, cell):
+    """When this fails, the bug is fixed: drop its entry from tests/zoo/__init__.py's DECLARED."""
+    report = reports[_id(cell)]
+    assert not report.ok and zoo.declared(*cell).match in report.table(), str(report)
 
 
 @pytest.mark.parametrize("cell", TRAINS, ids=_id)

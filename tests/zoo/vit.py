@@ -68,7 +68,7 @@ def axes(cfg):
 def embed(params, batch, cfg):
     images = constrain(batch["images"], ("batch", None, None, None))  # (b, c, h, w)
     patches = rearrange(images, "b c (h p1) (w p2) -> b (h w) (p1 p2 c)", p1=cfg.patch, p2=cfg.patch)
-    x = patches @ params["patch_w"] + params["patch_b"]  # (b, patches, dim)
+    x = patches.to(params["patch_w"].dtype) @ params["patch_w"] + params["patch_b"]  # pixels in the compute dtype
     cls = params["cls"].expand(x.shape[0], 1, cfg.dim)  # (b, 1, dim)
     return constrain(torch.cat([cls, x], dim=1) + params["pos"], RESIDUAL)  # (b, tokens, dim)
 
