@@ -88,7 +88,8 @@ def test_a_restarted_run_resumes_bitwise_under_its_layout_and_within_tolerance_u
     log = (other / "train.log").read_text().splitlines()  # what the console said, one line per event
     assert log[0] == (f"resumed from step 2 ({other / 'checkpoints' / 'step_2'}), saved under zero3 on dp4, "
                       "now zero3+tp on dp2_tp2")
-    assert log[1].startswith(f"checkpoint saved: step 4 -> {other / 'checkpoints' / 'step_4'} (")
+    assert log[1] == "data: stdlib, 200,000 bytes"
+    assert log[2].startswith(f"checkpoint saved: step 4 -> {other / 'checkpoints' / 'step_4'} (")
     got, ref_losses = _losses(other), _losses(ref)
     assert sorted(got) == [3, 4]
     for s in got:
