@@ -474,6 +474,30 @@ MUTANTS: tuple[Mutant, ...] = (
            "loss, g, tokens, _ = pipeline_path.grads(ctx, plan, params, batch, scale)",
            "the step drops the Result the pipeline path returns: metrics['pipeline'] has no saved peaks",
            ("tests/shardings/pipeline/test_train_step.py::test_metrics_count_p2p_per_rank_and_report_the_pipeline",)),
+    # -- blind spots, third pass (issue #43.4-6): what a report states, hashes on real ranks, ZeRO-3's forward -------
+    Mutant("detection-limit-of-the-best-leaf", "shardings/testing/power.py",
+           "leaf = max(counted, key=counted.get)",
+           "leaf = min(counted, key=counted.get)",
+           "a report states its best-caught leaf's detection limit instead of its worst's",
+           ("tests/shardings/testing/test_power.py::"
+            "test_an_error_at_the_stated_limit_is_caught_in_every_leaf_and_a_rung_below_passes_in_the_worst",)),
+    Mutant("ckpt-a-rank-skips-its-hash-share", "shardings/checkpoint/files.py",
+           "elif i % world == rank and _sha256(file) != want[\"sha256\"]:",
+           "elif i % world == rank and rank != 1 and _sha256(file) != want[\"sha256\"]:",
+           "on a multi-process load rank 1 hashes none of its share: a corrupted file of its share loads",
+           ("tests/shardings/checkpoint/test_checkpoint_hashes_real.py",)),
+    Mutant("zero3-dtensor-forward-keeps-gathered-weights", "shardings/residency/gather_buckets.py",
+           "if k not in kept and regather is not None:",
+           "if k in kept and regather is not None:",
+           "ZeRO-3 on the DTensor path: autograd saves every block's gathered weights (data parallelism's forward)",
+           ("tests/shardings/residency/test_zero3_peak_memory.py::"
+            "test_the_forward_alone_holds_one_gathered_bucket_whatever_the_depth[zero3-dtensor]",)),
+    Mutant("zero3-forward-keeps-every-block", "shardings/residency/lazy_params.py",
+           "        self._drop_blocks()  # the previous block's weights go",
+           "        pass  # the previous block's weights go",
+           "ZeRO-3's forward keeps every block's gathered weights live until it ends (both paths)",
+           ("tests/shardings/residency/test_zero3_peak_memory.py::"
+            "test_the_forward_alone_holds_one_gathered_bucket_whatever_the_depth[zero3-local]",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

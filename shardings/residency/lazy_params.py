@@ -65,9 +65,10 @@ class Gathers:
         if got is not None:
             return got
         flat = self.pending.pop(k) if k in self.pending else self.launch(k)
+        self._drop_blocks()  # the previous block's weights go before this one's are assembled next to its buffer
         with torch.enable_grad():  # an op under no_grad may touch it first; later ones need the gradient
             fulls = self.build(k, flat)
-        self._drop_blocks()
+        del flat  # assembled: the gathered buffer goes before the next one is launched (one bucket at a time)
         self.live[k] = fulls
         if k + 1 < self.count and k + 1 not in self.pending:
             self.pending[k + 1] = self.launch(k + 1)  # prefetch: it gathers while this bucket computes
