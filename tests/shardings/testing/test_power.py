@@ -130,7 +130,7 @@ def _scaled(steps, leaf, eps):
     return [[{**r, "grads": core.tree.map_with_path(scale, r["grads"])} for r in ranks] for ranks in steps]
 
 
-def _check(runs):
+def _judge_runs(runs):
     return check_runs(runs, gpt.init, gpt.loss, CFG, BATCH, steps=1, optimizer=SGD, raise_on_failure=False)
 
 
@@ -144,7 +144,7 @@ def test_an_error_at_the_stated_limit_is_caught_in_every_leaf_and_a_rung_below_p
     2-2.5 smaller) passes in the leaf the report names. Planted through autograd (the gradient of the sharded
     run itself) and, for every leaf, by scaling the run's gradient after the fact."""
     honest = _tp_run()()
-    stated = next(x for x in _check({"tp": lambda: honest}).limits if x.quantity == "grads")
+    stated = next(x for x in _judge_runs({"tp": lambda: honest}).limits if x.quantity == "grads")
     assert stated.uncounted == 0 and math.isfinite(stated.limit)  # every leaf counts; something is caught
     below = LADDER[LADDER.index(stated.limit) + 1]
     leaves = [core.tree.keystr(p) for p, _ in core.tree.leaves_with_path(honest[0][0]["grads"])]
@@ -152,7 +152,7 @@ def test_an_error_at_the_stated_limit_is_caught_in_every_leaf_and_a_rung_below_p
     runs["worst leaf at the limit, through autograd"] = _tp_run(stated.worst_path, stated.limit)
     runs["worst leaf a rung below, through autograd"] = _tp_run(stated.worst_path, below)
     runs["worst leaf a rung below"] = functools.partial(_scaled, honest, stated.worst_path, below)
-    report = _check(runs)
+    report = _judge_runs(runs)
     missed = [name for name in runs if "at the limit" in name and _grads_ok(report, name)]
     assert not missed, f"the stated limit {stated.limit:g} (set by {stated.worst_path}) is not caught: {missed}"
     assert _grads_ok(report, "worst leaf a rung below, through autograd"), report.table()
