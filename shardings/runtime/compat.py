@@ -237,3 +237,20 @@ def grad_from_edges(edges: Any, inputs: Any, grads: Any) -> tuple[torch.Tensor |
             f">= {SIMULATION_TORCH} when the model has custom autograd Functions; installed: {torch.__version__}",
             fix="use gpipe, 1f1b or interleaved_1f1b on this torch, or install torch>=2.13", cls=RuntimeError,
         ) from e
+
+
+_LOOP_NAMES = ("_for_each_rank_run_func", "_map_to_rank_local_val", "_get_rng_state", "_set_rng_state",
+               "_is_inplace_op", "_combine_rank_results", "return_and_correct_aliasing", "AsyncCollectiveTensor",
+               "enabled_local_tensor_mode", "OpOverload")
+
+
+def local_tensor_internals() -> Any:
+    """torch 2.13's ``LocalTensorMode`` per-rank loop and the helpers it calls (``module``: the module itself, whose
+    ``_for_each_rank_run_func`` :mod:`shardings.runtime.fastlocal` replaces inside ``simulate``); ``None`` where this
+    torch lacks any of them (then torch's own loop runs)."""
+    import types
+
+    module = importlib.import_module("torch.distributed._local_tensor") if HAS_SIMULATION else None
+    if module is None or not all(hasattr(module, n) for n in _LOOP_NAMES):
+        return None
+    return types.SimpleNamespace(module=module, **{n: getattr(module, n) for n in _LOOP_NAMES})
