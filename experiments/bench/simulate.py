@@ -5,7 +5,7 @@
 * **equivalence** — per world, ``check_equivalence`` of a small gpt (GQA, RoPE, SwiGLU; 4 blocks) under
   ``zero3+tp+sp+pp``: 1F1B, one AdamW step, accumulation 2·pp microbatches, clipping, on simulated ranks
   (``runtime="simulate"``). Meshes: 16 = dp4 × pp2 × tp2, 64 = dp4 × pp4 × tp4, 128 = dp8 × pp4 × tp4
-  (and 8 = dp2 × pp2 × tp2, the cheap setting the test runs). Wall seconds of the whole check (the
+  (and 8 = dp2 × pp2 × tp2; 4 = dp1 × pp2 × tp2, the cheap setting the test runs). Wall seconds of the whole check (the
   single-device reference included), this process's CPU seconds (what a loaded machine changes least) and
   whether it passed.
 * **train** — ``experiments.train`` of ``gpt_small`` (zero3+tp on dp2 × tp2) for ``--steps`` steps, once on
@@ -29,7 +29,7 @@ from shardings.testing import check_equivalence
 __all__ = ["MESHES", "equivalence_row", "main", "train_row"]
 
 # world -> (dp, pp, tp)
-MESHES = {8: (2, 2, 2), 16: (4, 2, 2), 64: (4, 4, 4), 128: (8, 4, 4)}
+MESHES = {4: (1, 2, 2), 8: (2, 2, 2), 16: (4, 2, 2), 64: (4, 4, 4), 128: (8, 4, 4)}
 CFG = gpt.Config(vocab=64, dim=32, layers=4, heads=8, kv_heads=4, seq_len=8, mlp=64)
 
 
