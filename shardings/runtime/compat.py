@@ -254,3 +254,10 @@ def local_tensor_internals() -> Any:
     if module is None or not all(hasattr(module, n) for n in _LOOP_NAMES):
         return None
     return types.SimpleNamespace(module=module, **{n: getattr(module, n) for n in _LOOP_NAMES})
+
+
+def python_mode_stack() -> list[Any]:
+    """The Python dispatch modes active now, innermost last (``torch.utils._python_dispatch``'s private stack)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()

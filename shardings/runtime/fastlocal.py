@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from shardings.runtime.compat import local_tensor_internals
+from shardings.runtime.compat import disable_current_modes, local_tensor_internals, python_mode_stack
 
-__all__ = ["installed"]
+__all__ = ["installed", "rank_map"]
 
 _lt = local_tensor_internals()
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -107,3 +107,15 @@ def installed() -> Iterator[None]:
         yield
     finally:
         _lt.module._for_each_rank_run_func = _ORIGINAL
+
+
+def rank_map(mode: Any, cb: Any) -> Any:
+    """``mode.rank_map(cb)``: a ``LocalTensor`` of ``cb(r)`` per rank. When ``mode`` is the only Python dispatch
+    mode, ``cb`` runs with no mode at all: torch's ``rank_map`` only flags the mode disabled, and each of ``cb``'s
+    plain-tensor ops still enters its ``__torch_dispatch__`` (a pytree flatten, then a plain call) — most of a
+    simulated einsum's time. Under any other mode (a memory or comm counter) torch's way, so that mode sees every op.
+    """
+    if _lt is None or os.environ.get("SHARDLAB_SIMULATE_FAST", "1") == "0" or python_mode_stack() != [mode]:
+        return mode.rank_map(cb)
+    with mode.disable(), disable_current_modes():
+        return _lt.module.LocalTensor({r: cb(r) for r in mode.ranks})
