@@ -354,6 +354,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "recompiles_and_equals_its_eager_twin",
             # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
+    # -- simulated ranks' per-rank loop (shardings.runtime.fastlocal) ------------------------------------
+    Mutant("fastlocal-rng-never-restored", "shardings/runtime/fastlocal.py",
+           "        hit = not isinstance(func, _lt.OpOverload) or _SEEDED in func.tags",
+           "        hit = False",
+           "the RNG state is never restored between ranks: each simulated rank draws different random numbers",
+           ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
+    Mutant("fastlocal-rank-args-off-by-one", "shardings/runtime/fastlocal.py",
+           "        rank_args, rank_kwargs = _to_rank(tuple(args), r, leaf), _to_rank(kwargs, r, leaf)",
+           "        rank_args, rank_kwargs = _to_rank(tuple(args), (r + 1) % len(ranks), leaf), _to_rank(kwargs, r, "
+           "leaf)",
+           "each rank computes on its neighbour's local values",
+           ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
