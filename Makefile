@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 EXPLORE_SECONDS ?= 600
 MUTANTS_ARGS ?=
 
-.PHONY: install test lint clean train lock test-latest test-torch211 test-explore test-zoo mutants drill
+.PHONY: install test lint clean train lock test-latest test-torch211 test-explore test-zoo test-scale mutants drill
 
 install: $(VENV)/.installed
 
@@ -81,6 +81,13 @@ test-explore: install
 # covers each model, family and feature once (docs/models.md#the-zoo-researchers-models-through-every-feature).
 test-zoo: install
 	SHARDLAB_ZOO=full $(BIN)/python -m pytest tests/zoo $(PYTEST_ARGS)
+
+# Equivalence at cluster scale: a shrunken Llama-3 under torchtitan's 405B layout (zero3+tp+sp+pp on
+# Mesh(pp=8, dp=8, tp=8), interleaved 1F1B, 2 stages per rank) against one device on 512 simulated ranks in this
+# process; prints its wall/CPU seconds and peak RSS. SCALE_ARGS="--world 64" for the 64-rank sibling.
+SCALE_ARGS ?=
+test-scale: install
+	$(BIN)/python -m experiments.bench.scale $(SCALE_ARGS)
 
 # Mutation drill: plant each bug listed in tests/mutant_catalog.py in a copy of the tree, run the tests meant to catch it,
 # print the kill rate; fails on a survivor not in EQUIVALENT. MUTANTS_ARGS="--only ID ..." or "--list".

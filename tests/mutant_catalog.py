@@ -498,6 +498,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "ZeRO-3's forward keeps every block's gathered weights live until it ends (both paths)",
            ("tests/shardings/residency/test_zero3_peak_memory.py::"
             "test_the_forward_alone_holds_one_gathered_bucket_whatever_the_depth[zero3-local]",)),
+    # -- simulated ranks' per-rank loop (shardings.runtime.fastlocal) ------------------------------------
+    Mutant("fastlocal-rng-never-restored", "shardings/runtime/fastlocal.py",
+           "        hit = not isinstance(func, _lt.OpOverload) or _SEEDED in func.tags",
+           "        hit = False",
+           "the RNG state is never restored between ranks: each simulated rank draws different random numbers",
+           ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
+    Mutant("fastlocal-rank-args-off-by-one", "shardings/runtime/fastlocal.py",
+           "        rank_args, rank_kwargs = _to_rank(tuple(args), r, leaf), _to_rank(kwargs, r, leaf)",
+           "        rank_args, rank_kwargs = _to_rank(tuple(args), (r + 1) % len(ranks), leaf), _to_rank(kwargs, r, "
+           "leaf)",
+           "each rank computes on its neighbour's local values",
+           ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

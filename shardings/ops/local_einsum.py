@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from shardings.comm.flat_comm import from_block
 from shardings.residency.lazy_params import resolve
+from shardings.runtime import fastlocal
 from shardings.runtime.compat import LocalTensor, enabled_local_tensor_mode
 from shardings.spec.lower import from_placements, mesh_of, to_placements
 from shardings.spec.mesh import Mesh, P
@@ -143,7 +144,7 @@ def _einsum_per_rank(pattern: str, *blocks: torch.Tensor) -> torch.Tensor:
     mode = enabled_local_tensor_mode()
     if mode is None or not any(isinstance(b, LocalTensor) for b in blocks):
         return _einsum_plain(pattern, *blocks)
-    return mode.rank_map(
+    return fastlocal.rank_map(mode,  # each rank's plain einsum with no Python mode in the way (where none else runs)
         lambda r: einops.einsum(*(b._local_tensors[r] if isinstance(b, LocalTensor) else b for b in blocks), pattern)
     )
 

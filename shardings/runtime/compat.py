@@ -310,3 +310,25 @@ def global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tupl
         elif not (placement.is_replicate() or placement.is_partial()):
             raise RuntimeError(f"placement type {type(placement)} not supported!")
     return shape, stride
+_LOOP_NAMES = ("_for_each_rank_run_func", "_map_to_rank_local_val", "_get_rng_state", "_set_rng_state",
+               "_is_inplace_op", "_combine_rank_results", "return_and_correct_aliasing", "AsyncCollectiveTensor",
+               "enabled_local_tensor_mode", "OpOverload")
+
+
+def local_tensor_internals() -> Any:
+    """torch 2.13's ``LocalTensorMode`` per-rank loop and the helpers it calls (``module``: the module itself, whose
+    ``_for_each_rank_run_func`` :mod:`shardings.runtime.fastlocal` replaces inside ``simulate``); ``None`` where this
+    torch lacks any of them (then torch's own loop runs)."""
+    import types
+
+    module = importlib.import_module("torch.distributed._local_tensor") if HAS_SIMULATION else None
+    if module is None or not all(hasattr(module, n) for n in _LOOP_NAMES):
+        return None
+    return types.SimpleNamespace(module=module, **{n: getattr(module, n) for n in _LOOP_NAMES})
+
+
+def python_mode_stack() -> list[Any]:
+    """The Python dispatch modes active now, innermost last (``torch.utils._python_dispatch``'s private stack)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()

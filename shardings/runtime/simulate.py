@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardings.runtime import fastlocal
 from shardings.runtime.compat import FakeStore, LocalTensor, LocalTensorMode, require_simulation
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
@@ -70,7 +71,7 @@ def simulate(world_size: int) -> Iterator[None]:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     _ACTIVE.append(world_size)
     try:
-        with LocalTensorMode(world_size):
+        with LocalTensorMode(world_size), fastlocal.installed():
             yield
     finally:
         _ACTIVE.pop()
