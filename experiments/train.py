@@ -86,10 +86,10 @@ def human_bytes(n: float) -> str:
 
 def _loss_scale(step: Any, opt_state: Any) -> dict[str, Any]:
     """Under fp16's dynamic loss scaling: the scale the next step uses and the steps skipped so far (else nothing)."""
-    if getattr(step, "scaler", None) is None:
+    scale = step.loss_scale(opt_state)
+    if scale is None:
         return {}
-    skipped = opt_state.loss_scale.skipped
-    return {"loss_scale": float(unwrap(step.loss_scale(opt_state))), "skipped_steps": int(unwrap(skipped))}
+    return {"loss_scale": float(unwrap(scale)), "skipped_steps": int(unwrap(opt_state.loss_scale.skipped))}
 
 
 def _record(step: int, metrics: dict[str, Any], seconds: float, state: DataState,

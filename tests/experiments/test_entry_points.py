@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.bench.old_names import MOVED
-
 ROOT = Path(__file__).resolve().parents[2]
 
 _RUN_ALL = '''
@@ -31,8 +29,7 @@ print("RESULTS" + json.dumps(out))
 
 
 def entry_points() -> list[str]:
-    """``experiments`` modules run as ``__main__``: an ``if __name__ == "__main__"``, a package's ``__main__.py``, or
-    a deprecated old name (``experiments/bench/old_names.py``) of one of those."""
+    """``experiments`` modules run as ``__main__``: an ``if __name__ == "__main__"`` or a package's ``__main__.py``."""
     names = []
     for path in sorted((ROOT / "experiments").rglob("*.py")):
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
@@ -40,7 +37,7 @@ def entry_points() -> list[str]:
             names.append(module.removesuffix(".__main__"))
         elif 'if __name__ == "__main__"' in path.read_text():
             names.append(module)
-    return names + [old for old, new in MOVED.items() if new in names]
+    return names
 
 
 def test_every_entry_point_answers_help():

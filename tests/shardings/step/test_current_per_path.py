@@ -44,7 +44,8 @@ def test_current_inside_the_loss_is_what_the_docs_say(layout, mesh, local, path,
     with shardings.simulate(mesh.size):
         params = shardings.init(models.mlp.init, core.random.key(0), CFG, axes=models.mlp.axes(CFG), layout=layout,
                                 mesh=mesh)
+        plan = shardings.pipeline.plan(layout, mesh, params) if "pp" in layout else None
         step = shardings.train_step(loss, core.optim.sgd(0.1), layout=layout, mesh=mesh,
-                                    axes=models.mlp.axes(CFG), local=local)
+                                    axes=models.mlp.axes(CFG), local=local, plan=plan)
         step(params, step.init(params), BATCH)
     assert seen and set(seen) == {want}, (path, seen)
