@@ -21,7 +21,7 @@ from omegaconf import OmegaConf, open_dict
 
 import core
 import shardings
-from shardings.planner import Cluster, Space
+from shardings.planner import Candidate, Cluster, Space
 
 __all__ = ["CONF", "auto", "load_cluster"]
 
@@ -49,6 +49,27 @@ def load_cluster(name: str) -> Cluster:
 
 
 
+def train_overrides(cand: Candidate) -> list[str]:
+    """The ``experiments.train`` overrides that run planner candidate ``cand`` (the train app's keys live here, not
+    in the planner: ``Ranking.table(k, train_overrides)`` prints the winner with them).
+
+    >>> train_overrides(Candidate("zero1+pp", (("pp", 2), ("dp", 2)), 4, "1f1b", None, False, "bf16"))
+    ['layout=zero1+pp', 'mesh=pp2_dp2', 'precision=bf16', 'pipeline.schedule=1f1b', 'pipeline.microbatches=4']
+    """
+    out = [f"layout={cand.layout}", f"mesh={cand.mesh_name}", f"precision={cand.precision}"]
+    if cand.pipelined:
+        out += [f"pipeline.schedule={cand.schedule}", f"pipeline.microbatches={cand.microbatches}"]
+        if cand.virtual_stages:
+            out.append(f"pipeline.virtual_stages={cand.virtual_stages}")
+        if cand.seq_chunks > 1:
+            out.append(f"pipeline.seq_chunks={cand.seq_chunks}")
+    elif cand.microbatches > 1:
+        out.append(f"accum_steps={cand.microbatches}")
+    if cand.remat:
+        out.append("model.config.remat=true" if cand.remat is True else "offload=activations")
+    return out
+
+
 def auto(cfg: Any, module: ModuleType, model_cfg: Any) -> Any:
     """``layout=auto`` in a composed ``train`` config: plan ``module`` (its config ``model_cfg``) at the configured
     batch and world size on this machine's cluster (``cluster/this.yaml``, one node of that many ranks), print
@@ -64,7 +85,7 @@ def auto(cfg: Any, module: ModuleType, model_cfg: Any) -> Any:
     precision = core.precision.name_of(str((cfg.get("precision") or {}).get("compute", "float32")))
     space = Space(precisions=(precision,), remat=(getattr(model_cfg, "remat", False),), offload=False)
     ranking = shardings.plan(module, model_cfg, (rows, seq), cluster, space=space, top_k=5, budget_s=20)
-    print(ranking.table(5))
+    print(ranking.table(5, train_overrides))
     best = ranking.winner.candidate
     out = cfg.copy()
     with open_dict(out):

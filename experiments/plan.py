@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 import core
 import shardings
 from core import deferred, tree
-from experiments.auto import CONF, auto, load_cluster
+from experiments.auto import CONF, auto, load_cluster, train_overrides
 from experiments.build import ConfigError, model
 from experiments.config import ModelConf, app_overrides, own_model, register, usage
 from shardings.planner import Candidate, Cluster, Space
@@ -132,7 +132,7 @@ def run(cfg: Any) -> str:
     space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
                   max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
-    return "\n".join([head, ranking.table(cfg.top_k), *dropped_by_reason(ranking.dropped)])
+    return "\n".join([head, ranking.table(cfg.top_k, train_overrides), *dropped_by_reason(ranking.dropped)])
 
 
 def _data_dependent_op(error: BaseException) -> str | None:

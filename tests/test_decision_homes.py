@@ -47,12 +47,20 @@ def _defaults(tree: ast.AST):
             yield node.args[1]
 
 
+def _defaults_and_parts(tree: ast.AST):
+    """Every default, and each element of a default that is a tuple (a probe's ``(schedule, first, last)``)."""
+    for node in _defaults(tree):
+        yield node
+        if isinstance(node, ast.Tuple):
+            yield from node.elts
+
+
 def findings(path: Path, rel: str, schedules: set[str]) -> list[str]:
     """What in one file decides again what its home decides (``decision: line: what``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     home = {d for d, files in HOMES.items() if any(rel.startswith(f) for f in files)}
     out = []
-    for node in _defaults(tree):
+    for node in _defaults_and_parts(tree):
         value = _str(node)
         if value in schedules and "schedule" not in home:
             out.append(f"schedule: {node.lineno}: default {value!r} (use shardings.pipeline.DEFAULT_SCHEDULE)")
@@ -104,6 +112,7 @@ def test_the_check_finds_each_kind_of_copy(tmp_path):
         'import inspect\n'
         'def f(schedule=None, backend="inductor"):\n'
         '    name = schedule or "gpipe"\n'
+        '    probe, *ends = peak_probe or ("zb_h1", True, True)\n'
         '    names = {"float32": "fp32", "bfloat16": "bf16"}\n'
         '    precisions = ("fp32", "bf16", "fp16")\n'
         '    raise ValueError(f"batch {3} is not divisible by {2} data-parallel ranks")\n'
@@ -112,4 +121,11 @@ def test_the_check_finds_each_kind_of_copy(tmp_path):
         'M = accum if accum > 1 else sizes.get("pp", 1)\n')
     found = all_findings(tmp_path, ("experiments",))["experiments/bad.py"]
     assert sorted(f.split(":")[0] for f in found) == ["bucket", "default", "divisible", "jit_backend", "microbatches",
-                                                      "precision", "precision", "schedule"], found
+                                                      "precision", "precision", "schedule", "schedule"], found
+
+
+def test_the_planner_s_whole_step_program_runs_the_default_schedule():
+    """Its schedule is the one home's (``exact.WHOLE_STEP_PROGRAM``'s comment says why any would count the same)."""
+    from shardings.planner import exact
+
+    assert exact.WHOLE_STEP_PROGRAM == (shardings.pipeline.DEFAULT_SCHEDULE, True, True)

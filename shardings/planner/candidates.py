@@ -66,12 +66,17 @@ class Candidate:
         """Whether the layout pipelines the blocks (``Layout.pipelined``, the one answer; it then has a schedule)."""
         return layout_of(self.layout).pipelined
 
+    @property
+    def mesh_name(self) -> str:
+        """The mesh as the rows print it and the experiments name their meshes (``pp2_dp2_tp2``)."""
+        return mesh_text(self.sizes)
+
     def size(self, axis: str) -> int:
         """The size of ``axis`` (1 when the mesh lacks it)."""
         return self.sizes.get(axis, 1)
 
     def __str__(self) -> str:
-        parts = [self.layout, mesh_text(self.sizes)]
+        parts = [self.layout, self.mesh_name]
         if self.pipelined:
             v = f" v{self.virtual_stages}" if self.virtual_stages else ""
             parts.append(f"{self.schedule}{v} m{self.microbatches}" + (f" k{self.seq_chunks}"
@@ -82,21 +87,6 @@ class Candidate:
             parts.append("remat" if self.remat is True else f"remat={self.remat}")
         parts.append(self.precision)
         return " ".join(parts)
-
-    def overrides(self) -> list[str]:
-        """The ``experiments.train`` overrides that run this candidate."""
-        out = [f"layout={self.layout}", f"mesh={mesh_text(self.sizes)}", f"precision={self.precision}"]
-        if self.pipelined:
-            out += [f"pipeline.schedule={self.schedule}", f"pipeline.microbatches={self.microbatches}"]
-            if self.virtual_stages:
-                out.append(f"pipeline.virtual_stages={self.virtual_stages}")
-            if self.seq_chunks > 1:
-                out.append(f"pipeline.seq_chunks={self.seq_chunks}")
-        elif self.microbatches > 1:
-            out.append(f"accum_steps={self.microbatches}")
-        if self.remat:
-            out.append("model.config.remat=true" if self.remat is True else "offload=activations")
-        return out
 
 
 def mesh_text(sizes: dict[str, int]) -> str:

@@ -48,6 +48,12 @@ from shardings.planner.prediction import Prediction, Work
 __all__ = ["exact", "first_step_seconds", "pipeline_sends", "work_units"]
 
 _POLICIES = core.precision.NAMED  # the named policies' one table
+# The program a fake step without a peak probe runs (its comm counts, and a pipelined candidate's comm-only
+# steps): ``(schedule, runs the first stage, runs the last stage)`` as :func:`rank_programs` gives them. Those steps
+# run at ``pp = 1``, one stage holding every block with the embedding and the head (both ends), where a schedule's
+# order changes no collective and no byte counted; so any registered schedule counts the same, and the one a
+# pipelined run gets when it names none (``DEFAULT_SCHEDULE``, its one home) is the one named here.
+WHOLE_STEP_PROGRAM: tuple[str, bool, bool] = (DEFAULT_SCHEDULE, True, True)
 
 
 def _policy(name: str) -> Any:
@@ -60,7 +66,7 @@ def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...
              microbatches: int, optimizer: Any, peak_probe: tuple[Schedule, bool, bool] | None = None) -> Measured:
     """One fake step; with ``peak_probe`` (one of :func:`rank_programs`) run by it."""
     pipelined = layout_of(layout).pipelined
-    probe, *ends = peak_probe or (DEFAULT_SCHEDULE, True, True)
+    probe, *ends = peak_probe or WHOLE_STEP_PROGRAM
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches, schedule=probe if pipelined else None,
                    ends=tuple(ends))

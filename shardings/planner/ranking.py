@@ -128,10 +128,6 @@ class Ranking:
                              "remat or offload in the search space")
         return (exact or self.rows)[0]
 
-    def overrides(self) -> list[str]:
-        """The winner as ``experiments.train`` overrides."""
-        return self.winner.candidate.overrides()
-
     def rank_of(self, candidate: Candidate) -> int | None:
         """The 1-based rank of ``candidate`` among those that fit, or ``None``."""
         for i, r in enumerate(self.rows):
@@ -152,8 +148,11 @@ class Ranking:
         pred = self.row(candidate).prediction
         return Fit(candidate, pred.peak, self.cluster.memory, dict(pred.memory), pred.exact)
 
-    def table(self, k: int = 10) -> str:
-        """The top ``k`` as a text table: step time, memory, comm, compute, bubble, exact or estimated."""
+    def table(self, k: int = 10, spell: Callable[[Candidate], Sequence[str]] | None = None) -> str:
+        """The top ``k`` as a text table: step time, memory, comm, compute, bubble, exact or estimated; the winner
+        line spells the winner with ``spell`` (an app's arguments that run it, e.g.
+        ``experiments.auto.train_overrides``; default: the candidate as the rows print it). The planner knows no
+        app's config keys: the app that runs a candidate spells it."""
         head = f"{'#':>3}  {'step':>9}  {'peak/rank':>10}  {'comm/rank':>10}  {'exposed':>9}  {'compute':>9}  " \
                f"{'bubble':>6}  candidate"
         lines = [f"{self.searched} candidates on {self.cluster.name} ({self.cluster.world} ranks, "
@@ -166,7 +165,8 @@ class Ranking:
             lines.append(f"{i + 1:>3}{mark} {_seconds(t.total):>9}  {gb(p.peak):>10}  {gb(float(p.comm_bytes())):>10}  "
                          f"{_seconds(t.exposed):>9}  {_seconds(t.busy):>9}  {p.bubble:>6.1%}  {r.candidate}")
         if self.rows:
-            lines.append("winner: " + " ".join(self.overrides()) + self._winner_note())
+            best = self.winner.candidate
+            lines.append("winner: " + (" ".join(spell(best)) if spell else str(best)) + self._winner_note())
         lines += [f"failed: {c}: {why}" for c, why in self.dropped.items() if why.startswith(FAILED)]
         return "\n".join(lines)
 

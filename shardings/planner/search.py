@@ -62,8 +62,8 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
         candidates: search these instead of enumerating (e.g. one layout to check).
 
     Returns:
-        A :class:`~shardings.planner.Ranking` (``print`` it; ``.explain(candidate)``, ``.fits(candidate)``,
-        ``.overrides()``).
+        A :class:`~shardings.planner.Ranking` (``print`` it; ``.explain(candidate)``, ``.fits(candidate)``;
+        ``experiments.auto.train_overrides(ranking.winner.candidate)`` runs the winner).
 
     >>> ranking = shardings.plan(models.gpt, cfg, (8, 128), cluster)  # doctest: +SKIP
     >>> print(ranking.table(5))  # doctest: +SKIP

@@ -21,6 +21,19 @@ from tests.experiments import llama_gqa
 from tests.experiments.conftest import compose_config
 
 
+def test_a_candidate_s_train_overrides_run_it_in_experiments_train():
+    from experiments.auto import train_overrides
+    from shardings.planner import Candidate
+
+    c = Candidate("zero1+tp+pp", (("pp", 2), ("dp", 2), ("tp", 2)), 8, "interleaved_1f1b", 2, True, "bf16")
+    assert train_overrides(c) == ["layout=zero1+tp+pp", "mesh=pp2_dp2_tp2", "precision=bf16",
+                                  "pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=8",
+                                  "pipeline.virtual_stages=2", "model.config.remat=true"]
+    chunked = Candidate("pp", (("pp", 4),), 4, "1f1b", seq_chunks=4)
+    assert "pipeline.seq_chunks=4" in train_overrides(chunked)
+    assert train_overrides(Candidate("dp", (("dp", 4),), 2, None))[-1] == "accum_steps=2"
+
+
 def test_fits_answers_yes_or_no_for_the_candidate_the_command_line_names(capsys):
     assert plan.main(["model=gpt_tiny", "fits=true", "layout=zero3", "mesh=dp4", "precision=bf16"]) == 0
     head, out = capsys.readouterr().out.split("\n", 1)
