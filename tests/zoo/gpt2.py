@@ -58,25 +58,38 @@ def axes(cfg):
 
 
 def embed(params, batch):
+    """Tokens plus learned positions: ``batch["positions"]`` where the batch brings them (a chunk of a sequence cut
+    by TeraPipe: its positions start at the chunk's offset), else ``0..s-1``."""
     tokens = constrain(batch["tokens"], ("batch", "seq"))
-    s = tokens.shape[1]
-    return constrain(params["wte"][tokens] + params["wpe"][:s], RESIDUAL)  # (b, s, dim)
+    if "positions" in batch:
+        pos = params["wpe"][constrain(batch["positions"], ("batch", "seq"))]  # (b, s, dim)
+    else:
+        pos = params["wpe"][: tokens.shape[1]]
+    return constrain(params["wte"][tokens] + pos, RESIDUAL)  # (b, s, dim)
 
 
 def block(p, x, cfg):
-    s = x.shape[1]
+    return prefix_block(p, x, [], cfg)[0]
+
+
+def prefix_block(p, x, past, cfg):
+    """The block on a chunk after ``past``, the earlier chunks' ``(k, v)`` (TeraPipe; ``[]``: a whole sequence):
+    ``(x, (k, v))``."""
+    s, offset = x.shape[1], sum(pk.shape[2] for pk, _ in past)
     h = constrain(F.layer_norm(x, (cfg.dim,), p["ln1_g"], p["ln1_b"]), BLOCK_INPUT)
     q = torch.einsum("bse,ehd->bhsd", h, p["q_w"]) + p["q_b"][:, None]  # (b, heads, s, hd)
     k = torch.einsum("bse,ehd->bhsd", h, p["k_w"]) + p["k_b"][:, None]
     v = torch.einsum("bse,ehd->bhsd", h, p["v_w"]) + p["v_b"][:, None]
-    att = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (b, heads, s, s)
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)  # True above the diagonal: the future
+    keys = torch.cat([pk for pk, _ in past] + [k], dim=2)  # (b, heads, offset + s, hd)
+    values = torch.cat([pv for _, pv in past] + [v], dim=2)
+    att = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (b, heads, s, offset + s)
+    mask = torch.ones(s, offset + s, dtype=torch.bool).triu(offset + 1)  # the future: query i sees 0..offset+i
     att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
-    y = att @ v  # (b, heads, s, hd)
+    y = att @ values  # (b, heads, s, hd)
     x = x + constrain(torch.einsum("bhsd,hde->bse", y, p["proj_w"]), RESIDUAL) + p["proj_b"]
     h = constrain(F.layer_norm(x, (cfg.dim,), p["ln2_g"], p["ln2_b"]), BLOCK_INPUT)
     h = F.gelu(h @ p["fc_w"] + p["fc_b"], approximate="tanh")  # (b, s, 4 dim)
-    return x + constrain(h @ p["out_w"], RESIDUAL) + p["out_b"]
+    return x + constrain(h @ p["out_w"], RESIDUAL) + p["out_b"], (k, v)
 
 
 def head_loss(params, x, batch, cfg):
@@ -88,7 +101,7 @@ def head_loss(params, x, batch, cfg):
 
 def stages(cfg):
     return Stages(first=embed, block=lambda p, x, i: block(p, x, cfg), last=functools.partial(head_loss, cfg=cfg),
-                  carry_names=lambda x: RESIDUAL)
+                  carry_names=lambda x: RESIDUAL, prefix_block=lambda p, x, i, past: prefix_block(p, x, past, cfg))
 
 
 def loss(params, batch, cfg):

@@ -60,11 +60,12 @@ def rms_norm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x, theta):
-    """Rotate pairs of ``x: (b, s, h, d)`` by position: the tables are made here, from ``torch.arange``."""
+def rope(x, theta, offset=0):
+    """Rotate pairs of ``x: (b, s, h, d)`` by position (from ``offset``: a chunk after a prefix): the tables are made
+    here, from ``torch.arange``."""
     s, d = x.shape[1], x.shape[-1]
     freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # (d/2,)
-    angles = torch.outer(torch.arange(s, dtype=torch.float32), freqs)  # (s, d/2)
+    angles = torch.outer(torch.arange(offset, offset + s, dtype=torch.float32), freqs)  # (s, d/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]  # (1, s, 1, d/2)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)  # (b, s, h, d)
@@ -76,14 +77,23 @@ def embed(params, batch):
 
 
 def block(p, x, cfg):
+    return prefix_block(p, x, [], cfg)[0]
+
+
+def prefix_block(p, x, past, cfg):
+    """The block on a chunk after ``past``, the earlier chunks' ``(k, v)`` (TeraPipe; ``[]``: a whole sequence):
+    ``(x, (k, v))``."""
+    offset = sum(pk.shape[1] for pk, _ in past)
     h = constrain(rms_norm(x, p["attn_norm"], cfg.eps), BLOCK_INPUT)
-    q = rope(torch.einsum("bse,ehd->bshd", h, p["wq"]), cfg.theta)  # (b, s, heads, hd)
-    k = rope(torch.einsum("bse,ehd->bshd", h, p["wk"]), cfg.theta)  # (b, s, kv_heads, hd)
+    q = rope(torch.einsum("bse,ehd->bshd", h, p["wq"]), cfg.theta, offset)  # (b, s, heads, hd)
+    k = rope(torch.einsum("bse,ehd->bshd", h, p["wk"]), cfg.theta, offset)  # (b, s, kv_heads, hd)
     v = torch.einsum("bse,ehd->bshd", h, p["wv"])
-    a = attention(q, k, v, causal=True)  # GQA: kv heads shared by heads // kv_heads query heads
+    keys = torch.cat([pk for pk, _ in past] + [k], dim=1)  # (b, offset + s, kv_heads, hd)
+    values = torch.cat([pv for _, pv in past] + [v], dim=1)
+    a = attention(q, keys, values, causal=True)  # GQA; a prefix: query i sees keys 0..offset+i
     x = x + constrain(torch.einsum("bshd,hde->bse", a, p["wo"]), RESIDUAL)
     h = constrain(rms_norm(x, p["mlp_norm"], cfg.eps), BLOCK_INPUT)
-    return x + constrain((F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"], RESIDUAL)
+    return x + constrain((F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"], RESIDUAL), (k, v)
 
 
 def head_loss(params, x, batch, cfg):
@@ -94,7 +104,7 @@ def head_loss(params, x, batch, cfg):
 
 def stages(cfg):
     return Stages(first=embed, block=lambda p, x, i: block(p, x, cfg), last=functools.partial(head_loss, cfg=cfg),
-                  carry_names=lambda x: RESIDUAL)
+                  carry_names=lambda x: RESIDUAL, prefix_block=lambda p, x, i, past: prefix_block(p, x, past, cfg))
 
 
 def loss(params, batch, cfg):
