@@ -342,6 +342,12 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/step/test_jit_equivalence.py::test_compiled_layouts_under_bf16_match_the_reference_"
             "under_the_same_policy",  # the bf16 run and its fp32 twin: the twin catches it
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
+    Mutant("jit-shared-compile-cache", "shardings/step/compiled.py",
+           "        self.cache = rank_compile_cache(mesh)",
+           "        self.cache = None",
+           "every rank compiles into the one inductor cache: on a warm cache a rank loads another rank's code (a "
+           "Shard's offset baked in) and gated_conv under cp computes wrong values silently",
+           ("tests/zoo/test_zoo_real.py::test_a_warm_compile_cache_serves_each_rank_its_own_code",)),
     Mutant("jit-zb-weight-grad-off-by-one-percent", "shardings/pipeline/backward.py",
            "            for edge, g in pending.computed.get(node, ()):  # below a compiled node: what B computed\n"
            "                edges.append(edge)\n                grads.append(g)",

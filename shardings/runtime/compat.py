@@ -269,6 +269,14 @@ def dynamo_config_patch(**settings: Any) -> contextlib.AbstractContextManager:
     return config.patch(**settings)
 
 
+def inductor_cache_dir() -> str:
+    """``torch._inductor.runtime.cache_dir_utils.cache_dir()``: the directory inductor's on-disk caches (FX graph,
+    AOTAutograd, kernels) live under, ``TORCHINDUCTOR_CACHE_DIR`` when set, read at each use."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
 def disable_torch_function_subclass() -> contextlib.AbstractContextManager:
     """``torch._C.DisableTorchFunctionSubclass()``: a ``__torch_function__`` subclass's call runs torch's own."""
     return torch._C.DisableTorchFunctionSubclass()

@@ -28,6 +28,11 @@ Under ``pp`` each stage's blocks run the compiled block (the pipeline executor c
 schedule; embedding, head, the carries' sends and receives and their arrival layout stay eager. Zero-bubble
 schedules split a compiled block's backward without running it twice (:mod:`shardings.pipeline.backward`).
 
+Each real rank compiles into an inductor cache of its own (:func:`rank_compile_cache`): torch 2.13's cache key
+omits the rank that DTensor's traced graphs bake in (a Shard's offset), so on a warm shared cache one rank ran
+another rank's compiled code: gated_conv under cp computed a loss 0.7% off and wrong gradients, silently, on the
+second run of the same job only (pytorch/pytorch#188332 is the same collision on the all-gather bucketing path).
+
 Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
 some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step
 :data:`WARMUP_STEPS` on, the step runs under ``torch.compiler.set_stance("fail_on_recompile")`` with
@@ -43,22 +48,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from core import tree
 from shardings.pipeline import Stages
-from shardings.runtime.compat import disable_current_modes, dynamo_config_patch
+from shardings.runtime.compat import disable_current_modes, dynamo_config_patch, inductor_cache_dir
 from shardings.runtime.simulate import simulated
 from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh
 from shardings.spec.placeholder import resolve
 
-__all__ = ["DEFAULT_JIT_BACKEND", "DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled"]
+__all__ = ["DEFAULT_JIT_BACKEND", "DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFallbackWarning", "Compiled",
+           "rank_compile_cache"]
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
 DEFAULT_JIT_BACKEND = "inductor"  # train_step(jit=True)'s torch.compile backend when none is named
@@ -111,6 +120,26 @@ def _outside_modes(graph: Callable) -> Callable:
     return call
 
 
+_CACHE_ROOT: list[str] = []  # the inductor cache directory this process started with, once read
+RANK_CACHES = "shardlab-ranks"  # under it: one directory per mesh and rank
+
+
+def rank_compile_cache(mesh: Mesh) -> str | None:
+    """Point this process's inductor caches at a directory of its own rank on ``mesh``, and return it (``None``
+    without a process group: one device has nothing to collide with).
+
+    The directory is ``<inductor's cache dir>/shardlab-ranks/<mesh>/rank<r>``: the same rank of the same mesh
+    reuses what it compiled before (a resumed run starts warm), and no rank ever loads another rank's code."""
+    if not dist.is_initialized():
+        return None
+    if not _CACHE_ROOT:
+        _CACHE_ROOT.append(inductor_cache_dir())
+    where = os.path.join(_CACHE_ROOT[0], RANK_CACHES, re.sub(r"\W+", "_", repr(mesh)).strip("_"),
+                         f"rank{dist.get_rank()}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = where
+    return where
+
+
 class Compiled:
     """One train step's compiled loss and its guards (module docstring).
 
@@ -124,6 +153,7 @@ class Compiled:
 
     def __init__(self, loss_fn: Callable, backend: str, mesh: Mesh):
         self.loss_fn, self.backend, self.mesh = compile_loss(loss_fn, backend), backend, mesh
+        self.cache = rank_compile_cache(mesh)
         self.steps = 0
         self.shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # batch leaf path -> its shape at step 0
         self.warned = False
