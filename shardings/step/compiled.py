@@ -126,11 +126,11 @@ RANK_CACHES = "shardlab-ranks"  # under it: one directory per mesh and rank
 
 def rank_compile_cache(mesh: Mesh) -> str | None:
     """Point this process's inductor caches at a directory of its own rank on ``mesh``, and return it (``None``
-    without a process group: one device has nothing to collide with).
+    without real ranks: one device has nothing to collide with, and simulated ranks do not compile).
 
     The directory is ``<inductor's cache dir>/shardlab-ranks/<mesh>/rank<r>``: the same rank of the same mesh
     reuses what it compiled before (a resumed run starts warm), and no rank ever loads another rank's code."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or simulated():
         return None
     if not _CACHE_ROOT:
         _CACHE_ROOT.append(inductor_cache_dir())
