@@ -45,7 +45,10 @@ def beating(folder: str, rank: int, world_size: int, timeout_s: float,
 
     def beat() -> None:
         while not stop.wait(INTERVAL_S):
-            os.utime(file)
+            try:
+                os.utime(file)
+            except FileNotFoundError:  # the launcher removed the folder at teardown: nothing left to beat for
+                return
             hung = silent(folder, world_size, rank, after_s=timeout_s)
             if hung:
                 frames = traceback.extract_stack(sys._current_frames()[main])
@@ -60,6 +63,7 @@ def beating(folder: str, rank: int, world_size: int, timeout_s: float,
         yield
     finally:
         stop.set()
+        thread.join(timeout=2 * INTERVAL_S)  # no beat touches the file once it is gone (on_hang may still run)
         with contextlib.suppress(OSError):  # done (or failing of its own error): never taken for a silent peer
             os.remove(file)
 
@@ -68,9 +72,12 @@ def silent(folder: str, world_size: int, me: int, after_s: float = SILENT_AFTER_
     """``{rank: seconds since its last beat}`` of the other ranks silent for over ``after_s``."""
     now, found = time.time(), {}
     for rank in range(world_size):
-        file = _file(folder, rank)
-        if rank != me and os.path.exists(file) and now - os.path.getmtime(file) > after_s:
-            found[rank] = round(now - os.path.getmtime(file), 1)
+        try:
+            last = os.path.getmtime(_file(folder, rank))
+        except FileNotFoundError:  # not started, or done (its file removed while this looked)
+            continue
+        if rank != me and now - last > after_s:
+            found[rank] = round(now - last, 1)
     return found
 
 
