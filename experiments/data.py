@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
 import sysconfig
 import warnings
 from pathlib import Path
@@ -78,9 +79,8 @@ def load_corpus(source: str, max_bytes: int, seed: int = 0) -> torch.Tensor:
     """
     if source == "stdlib":
         return read_files(stdlib_files(), max_bytes)
-    if source == "random":
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randint(0, 256, (max_bytes,), generator=gen, dtype=torch.uint8)
+    if source == "random":  # Python's generator: under simulated ranks torch's RNG ops draw one stream per rank
+        return torch.frombuffer(bytearray(random.Random(seed).randbytes(max_bytes)), dtype=torch.uint8)
     if not os.path.isdir(source):
         raise ValueError(
             f"data.source={source!r} is neither 'stdlib', 'random' nor a directory. "

@@ -43,6 +43,16 @@ def test_simulate_run(tmp_path):
     _check_run_dir(tmp_path, cfg, run(cfg, str(tmp_path)))
 
 
+def test_random_bytes_train_on_simulated_ranks_as_one_corpus(tmp_path):
+    """data.source=random under simulate: torch's RNG under simulated ranks draws one stream per rank, so a corpus
+    drawn with it differed by rank and the loss could not be read ("rank results must be equal")."""
+    assert torch.equal(load_corpus("random", 1000, seed=3), load_corpus("random", 1000, seed=3))
+    cfg = compose_config("train", [*FAST, "steps=2", "runtime=simulate", "layout=dp", "mesh=dp2",
+                                   "data.source=random"])
+    records = run(cfg, str(tmp_path)) and [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2] and abs(records[0]["loss"] - torch.log(torch.tensor(256.0))) < 0.5
+
+
 @pytest.mark.multiprocess
 def test_multiprocess_run(tmp_path):
     cfg = compose_config("train", [*FAST, "runtime=multiprocess", "layout=zero3", "mesh=dp2"])
