@@ -504,6 +504,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "ZeRO-3's forward keeps every block's gathered weights live until it ends (both paths)",
            ("tests/shardings/residency/test_zero3_peak_memory.py::"
             "test_the_forward_alone_holds_one_gathered_bucket_whatever_the_depth[zero3-local]",)),
+    Mutant("comm-ppermute-counted-as-all-to-all", "shardings/comm/accounting.py",
+           "        if splits and x.dim() and max(_ints(x.shape[0])) == 1:",
+           "        if False:",
+           "a ppermute (one row to one peer) is counted as an all_to_all: a compiled cp step's ring, which runs "
+           "without recorded_as, reports other kinds than its eager step",
+           ("tests/shardings/comm/test_accounting.py::"
+            "test_a_ppermute_is_counted_as_one_ppermute_of_its_buffer_without_recorded_as",)),
     # -- simulated ranks' per-rank loop (shardings.runtime.fastlocal) ------------------------------------
     Mutant("fastlocal-rng-never-restored", "shardings/runtime/fastlocal.py",
            "        hit = not isinstance(func, _lt.OpOverload) or _SEEDED in func.tags",
