@@ -59,7 +59,7 @@ import shardings
 from experiments import peak, resume
 from experiments.build import ConfigError, Setup, build, loss, lr_schedule, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
-from experiments.console import Console, error_line
+from experiments.console import Console, compile_done, error_line
 from experiments.data import DataState, source
 from experiments.progress import Progress
 from experiments.sweep import SWEEP_SUMMARY
@@ -223,7 +223,7 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
             seconds = time.perf_counter() - t0
             if compiling:
                 compile_s = seconds
-                console.end(f" done in {seconds:.1f} s (tokens/s counts the steps after it)")
+                console.end(compile_done(step.compiled.graphs if step.compiled else 0, seconds))
             records.append(_record(i, metrics, seconds, data_state, _loss_scale(step, opt_state)))
             if peaks:  # this rank's and every rank's measured peak
                 records[-1] |= {"peak_memory": peaks[dist.get_rank() if dist.is_initialized() else 0],

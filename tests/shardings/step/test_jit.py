@@ -101,8 +101,8 @@ def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback
             assert [(r["kind"], r["axis"]) for r in jit] == [(r["kind"], r["axis"]) for r in eager], (jit, eager)
             jit_rows, eager_rows = ({r["kind"]: r for r in rows} for rows in (jit, eager))
             assert jit_rows["all_reduce"] == eager_rows["all_reduce"]
-            kv = 2 * 8 * (CFG.seq_len // 2) * CFG.n_kv_heads * CFG.d_head * 4  # one rank's K and V block, fp32
-            merged = CFG.layers * (2 - 1)
+            kv = 2 * (8 // 2) * (CFG.seq_len // 2) * CFG.n_kv_heads * CFG.d_head * 4  # a microbatch's K+V block
+            merged = 2 * CFG.layers * (2 - 1)  # per microbatch (accum_steps=2), per block, cp-1 sends
             assert eager_rows["ppermute"]["count"] - jit_rows["ppermute"]["count"] == merged, (jit, eager)
             assert eager_rows["ppermute"]["bytes"] - jit_rows["ppermute"]["bytes"] == merged * kv, (jit, eager)
         jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
@@ -135,3 +135,21 @@ def test_a_recompile_after_the_warm_up_steps_is_a_sharding_error():
     with pytest.raises(ShardingError, match=r"(?s)recompiled at step 2.*dtype mismatch.*Fix: keep every input"), \
             compiled.running({"x": torch.ones(3)}):
         compiled.loss_fn(params, {"x": torch.ones(3, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize(("stages", "graphs"), [(True, 1), (False, 1)])
+def test_the_step_counts_the_graphs_it_compiled(stages, graphs):
+    # one process, no collectives: a 2-block Stages compiles one block graph for both blocks (its backward with it),
+    # a loss without blocks one graph; warm steps compile none (what the run's "compiling ..." line reports)
+    from shardings.step.compiled import Compiled
+
+    torch._dynamo.reset()
+    loss = gpt.stages(CFG) if stages else functools.partial(gpt.loss, cfg=CFG)
+    compiled = Compiled(loss, "aot_eager", Mesh(dp=1))
+    params = gpt.init(core.random.key(0), CFG)
+    leaves = [x.requires_grad_() for x in core.tree.leaves(params)]
+    batch = gpt.example_batch(CFG, 2)
+    for _ in range(WARMUP_STEPS + 1):
+        with compiled.running(batch):
+            grads = torch.autograd.grad(compiled.loss_fn(params, batch), leaves)
+    assert compiled.graphs == graphs and all(g is not None for g in grads)
