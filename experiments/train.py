@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -199,6 +198,9 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                    every=cfg.progress_every, log=console.log)
     tracker = Tracker(out_dir, enabled=main and cfg.tracker)
     compile_s = None
+    measurable, unmeasured = peak.measures(cfg.jit)
+    if unmeasured and start < cfg.steps:
+        console.line(unmeasured)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(Path(out_dir, "metrics.jsonl"), "w")) if main else None
         if log is not None:
@@ -214,7 +216,7 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                     batch, data_state = data.next(data_state)
             else:
                 batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
-            measure = i == cfg.steps and (not cfg.jit or torch.cuda.is_available())  # peak.py: what is measured
+            measure = i == cfg.steps and measurable  # the last step (peak.py: what is measured)
             try:
                 with peak.measured(measure, (params, opt_state, batch), setup.mesh.size) as peaks:
                     params, opt_state, metrics = step(params, opt_state, batch)
@@ -242,6 +244,13 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
             bar.update(f"loss {r['loss']:.3f} | {speed} | comm "
                        f"{human_bytes(r['comm_bytes'])}/step | mem {human_bytes(r['memory_per_rank'])}/rank")
     summary = {**_summary(records, setup, start + 1), "resumed_from": start, "compile_s": compile_s}
+    if unmeasured:
+        summary["peak_memory_note"] = unmeasured
+    elif main and records and records[-1].get("peak_memory_ranks"):  # the peak by role (peak.parts)
+        saved = (records[-1].get("pipeline") or {}).get("saved_peak")
+        summary["peak_parts"], summary["peak_parts_source"] = peak.parts(
+            setup, optimizer(cfg.optim, cfg.steps), cfg.data.batch_size, records[-1]["memory"],
+            max(records[-1]["peak_memory_ranks"]), max(saved) if saved else None)
     tracker.close(conf, summary)
     if main:
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

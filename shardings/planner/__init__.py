@@ -12,7 +12,7 @@ from shardings.planner.cost import Timing, step_time
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.prediction import Prediction
 from shardings.planner.ranking import Fit, Ranking, Row
-from shardings.planner.search import plan
+from shardings.planner.search import peak_by_role, plan
 
 __all__ = [
     "Candidate",
@@ -27,6 +27,7 @@ __all__ = [
     "Timing",
     "enumerate_candidates",
     "measure",
+    "peak_by_role",
     "plan",
     "step_time",
 ]
