@@ -17,11 +17,11 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from shardings.planner.memory import ROLES
-from shardings.step.held_memory import HELD_ROLES
+from shardings.planner import StepMemory
 
-__all__ = ["BANDS", "TRANSIENT", "draw_memory", "memory_parts"]
+__all__ = ["BANDS", "ROLES", "TRANSIENT", "draw_memory", "memory_parts"]
 
+ROLES = StepMemory._fields  # the planner's roles, bottom to top: held ones, then activations and buffers
 TRANSIENT = "activations + buffers (not told apart)"
 BANDS = (*ROLES, TRANSIENT)  # bottom to top
 
@@ -30,12 +30,13 @@ def memory_parts(summary: dict[str, Any]) -> dict[str, float]:
     """One run's stacked parts in bytes: its ``peak_parts`` where the run split its peak, else rank 0's held roles
     and the rest of the largest measured peak as one band (none without a measured peak).
 
-    >>> memory_parts({"memory": {"params": 4, "grads": 4, "opt_state": 8}, "peak_memory_ranks": [30, 26]})
+    >>> memory_parts({"memory": {"params": 4, "compute": 0, "grads": 4, "opt_state": 8, "host": 0},
+    ...               "peak_memory_ranks": [30, 26]})
     {'params': 4, 'compute': 0, 'grads': 4, 'opt_state': 8, 'activations + buffers (not told apart)': 14}
     """
     if summary.get("peak_parts"):
         return {role: summary["peak_parts"][role] for role in ROLES}
-    held = {role: summary["memory"].get(role, 0) for role in HELD_ROLES}
+    held = {role: summary["memory"][role] for role in ROLES if role in summary["memory"]}  # metrics["memory"]
     peaks = summary.get("peak_memory_ranks") or []
     return held | ({TRANSIENT: max(0, max(peaks) - sum(held.values()))} if peaks else {})
 
