@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["ERROR_LOG", "LOG", "WARNINGS", "Console", "error_line"]
+__all__ = ["ERROR_LOG", "LOG", "WARNINGS", "Console", "compile_done", "error_line"]
 
 _PRINT = warnings._showwarnmsg_impl  # stdlib default: print to stderr (a console line replaces it)
 LOG = "train.log"  # Hydra's job log file name for the train app: its own records land there too
@@ -85,6 +85,17 @@ class Console:
         with warnings.catch_warnings():
             warnings.showwarning = show
             yield
+
+
+def compile_done(graphs: int, seconds: float) -> str:
+    """The end of the first step's ``compiling ...`` line: how many graphs it compiled, and how long it took.
+
+    >>> compile_done(1, 88.04)
+    ' 1 graph compiled (with its backward), done in 88.0 s (tokens/s counts the steps after it)'
+    """
+    what = (f"{graphs} graph{'s' if graphs != 1 else ''} compiled (with {'its' if graphs == 1 else 'their'} backward)"
+            if graphs else "no graph compiled (the step ran eagerly)")
+    return f" {what}, done in {seconds:.1f} s (tokens/s counts the steps after it)"
 
 
 def error_line(e: BaseException, out_dir: str, trace: str | None = None) -> str:

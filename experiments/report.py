@@ -10,7 +10,7 @@ directory itself):
   loss, tokens/s, compile time (``jit=true``), comm bytes per step by collective kind, memory per rank (params,
   grads, optimizer state, total); report.md also lists each job's warnings (:func:`job_warnings`);
 - ``loss.png`` (loss curves overlaid, and each run's difference to the first: :func:`loss_curves`),
-  ``memory.png`` (per run the held roles and the measured peak per rank: :mod:`experiments.memory_plot`),
+  ``memory.png`` (per run the measured peak by role, and each rank's: :mod:`experiments.memory_plot`),
   ``comm.png`` (comm bytes per step per run, stacked by
   collective kind on mesh axis: :func:`comm_by_axis`) and ``throughput.png`` (tokens/s per run, runs on
   simulated ranks hatched and said to be ~20× below real processes: :func:`throughput`);

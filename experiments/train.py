@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -59,7 +58,7 @@ import shardings
 from experiments import peak, resume
 from experiments.build import ConfigError, Setup, build, loss, lr_schedule, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
-from experiments.console import Console, error_line
+from experiments.console import Console, compile_done, error_line
 from experiments.data import DataState, source
 from experiments.progress import Progress
 from experiments.sweep import SWEEP_SUMMARY
@@ -199,6 +198,9 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                    every=cfg.progress_every, log=console.log)
     tracker = Tracker(out_dir, enabled=main and cfg.tracker)
     compile_s = None
+    measurable, unmeasured = peak.measures(cfg.jit)
+    if unmeasured and start < cfg.steps:
+        console.line(unmeasured)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(Path(out_dir, "metrics.jsonl"), "w")) if main else None
         if log is not None:
@@ -214,7 +216,7 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                     batch, data_state = data.next(data_state)
             else:
                 batch, data_state = data.next_sharded(data_state, setup.layout, setup.mesh)
-            measure = i == cfg.steps and (not cfg.jit or torch.cuda.is_available())  # peak.py: what is measured
+            measure = i == cfg.steps and measurable  # the last step (peak.py: what is measured)
             try:
                 with peak.measured(measure, (params, opt_state, batch), setup.mesh.size) as peaks:
                     params, opt_state, metrics = step(params, opt_state, batch)
@@ -223,7 +225,7 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
             seconds = time.perf_counter() - t0
             if compiling:
                 compile_s = seconds
-                console.end(f" done in {seconds:.1f} s (tokens/s counts the steps after it)")
+                console.end(compile_done(step.compiled.graphs if step.compiled else 0, seconds))
             records.append(_record(i, metrics, seconds, data_state, _loss_scale(step, opt_state)))
             if peaks:  # this rank's and every rank's measured peak
                 records[-1] |= {"peak_memory": peaks[dist.get_rank() if dist.is_initialized() else 0],
@@ -242,6 +244,13 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
             bar.update(f"loss {r['loss']:.3f} | {speed} | comm "
                        f"{human_bytes(r['comm_bytes'])}/step | mem {human_bytes(r['memory_per_rank'])}/rank")
     summary = {**_summary(records, setup, start + 1), "resumed_from": start, "compile_s": compile_s}
+    if unmeasured:
+        summary["peak_memory_note"] = unmeasured
+    elif main and records and records[-1].get("peak_memory_ranks"):  # the peak by role (peak.parts)
+        saved = (records[-1].get("pipeline") or {}).get("saved_peak")
+        summary["peak_parts"], summary["peak_parts_source"] = peak.parts(
+            setup, optimizer(cfg.optim, cfg.steps), cfg.data.batch_size, records[-1]["memory"],
+            max(records[-1]["peak_memory_ranks"]), max(saved) if saved else None)
     tracker.close(conf, summary)
     if main:
         Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

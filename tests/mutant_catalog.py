@@ -504,6 +504,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "ZeRO-3's forward keeps every block's gathered weights live until it ends (both paths)",
            ("tests/shardings/residency/test_zero3_peak_memory.py::"
             "test_the_forward_alone_holds_one_gathered_bucket_whatever_the_depth[zero3-local]",)),
+    Mutant("comm-ppermute-counted-as-all-to-all", "shardings/comm/accounting.py",
+           "        if splits and x.dim() and max(_ints(x.shape[0])) == 1:",
+           "        if False:",
+           "a ppermute (one row to one peer) is counted as an all_to_all: a compiled cp step's ring, which runs "
+           "without recorded_as, reports other kinds than its eager step",
+           ("tests/shardings/comm/test_accounting.py::"
+            "test_a_ppermute_is_counted_as_one_ppermute_of_its_buffer_without_recorded_as",)),
+    Mutant("memory-png-ignores-peak-parts", "experiments/memory_plot.py",
+           '    if summary.get("peak_parts"):',
+           "    if False:",
+           "memory.png shows activations and buffers as one band although the run split its peak by role",
+           ("tests/experiments/test_report.py::test_memory_png_stacks_the_peak_by_role_and_marks_each_ranks_peak",)),
+    Mutant("peak-by-role-ignores-measured-activations", "shardings/planner/search.py",
+           "        return corrected(StepMemory(*[0.0] * len(ROLES)), held, peak, saved)",
+           "        return corrected(StepMemory(*[0.0] * len(ROLES)), held, peak, 0.0)",
+           "a pipelined run's measured saved activations are dropped: its peak's activations show as buffers",
+           ("tests/experiments/test_report.py::test_sweep_then_report",)),
     # -- simulated ranks' per-rank loop (shardings.runtime.fastlocal) ------------------------------------
     Mutant("fastlocal-rng-never-restored", "shardings/runtime/fastlocal.py",
            "        hit = not isinstance(func, _lt.OpOverload) or _SEEDED in func.tags",

@@ -32,8 +32,10 @@ may itself broadcast: build it before entering ``comms()`` to count only your st
 Copies between the compute device and host memory (offloaded roles and activations, all made by
 ``core.offload``) are rows too: kind ``d2h`` or ``h2d``, axis ``host``, the bytes one rank copies.
 
-A library op built from other collectives (``shard_map``'s ``ppermute`` over all-to-all or
-send/recv) reports itself once with :func:`recorded_as`, which also hides its insides.
+A ``ppermute`` (:func:`shardings.ppermute`: one ``all_to_all_single`` of one row, each rank's row to one peer)
+is recognised by its op and counted as one ``ppermute`` of that row, in eager steps and compiled graphs alike.
+A library op built from other collectives reports itself once with :func:`recorded_as`, which also hides its
+insides (eager only: inside a compiled graph only what the graph runs is counted).
 """
 
 from __future__ import annotations
@@ -111,11 +113,18 @@ def _ints(v: Any) -> list[int]:
 
 
 def _all_to_all(group_at: int, buffer_at: int, splits_at: int | None) -> Handler:
-    """Handler for an all-to-all; uneven splits (dim 0) count B minus the smallest block of any rank."""
+    """Handler for an all-to-all; uneven splits (dim 0) count B minus the smallest block of any rank.
+
+    One row with split sizes (each rank sends its one row to one peer) is a point-to-point permutation: a
+    ``ppermute`` of B bytes, however it was called (:func:`shardings.ppermute` is built that way), so an eager step
+    and a compiled graph, which runs the same op with no ``recorded_as`` around it, count it alike."""
 
     def handle(*args: Any) -> tuple[str, Any, Fraction]:
         group, x = args[group_at], args[buffer_at]
-        blocks = [b for s in (() if splits_at is None else args[splits_at]) for b in _ints(s)]
+        splits = () if splits_at is None else args[splits_at] or ()
+        if splits and x.dim() and max(_ints(x.shape[0])) == 1:
+            return "ppermute", group, _sent("ppermute", _group(group).size(), _nbytes(x))
+        blocks = [b for s in splits for b in _ints(s)]
         if len(set(blocks)) <= 1:  # even blocks
             return "all_to_all", group, _sent("all_to_all", _group(group).size(), _nbytes(x))
         row = _nbytes(x) // max(1, *_ints(x.shape[0]))

@@ -10,9 +10,10 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster, Link
 from shardings.planner.cost import Timing, step_time
 from shardings.planner.fake_step import Measured, measure
+from shardings.planner.memory import StepMemory
 from shardings.planner.prediction import Prediction
 from shardings.planner.ranking import Fit, Ranking, Row
-from shardings.planner.search import plan
+from shardings.planner.search import peak_by_role, plan
 
 __all__ = [
     "Candidate",
@@ -24,9 +25,11 @@ __all__ = [
     "Ranking",
     "Row",
     "Space",
+    "StepMemory",
     "Timing",
     "enumerate_candidates",
     "measure",
+    "peak_by_role",
     "plan",
     "step_time",
 ]

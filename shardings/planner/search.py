@@ -30,11 +30,12 @@ from shardings.planner import exact as exacts
 from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import step_time
+from shardings.planner.memory import ROLES, StepMemory, corrected
 from shardings.planner.model_profile import block_period, profile
 from shardings.planner.ranking import Checked, Ranking, Row, describe_drop, describe_failure, describe_state_drop
 from shardings.spec.errors import ShardingError
 
-__all__ = ["plan"]
+__all__ = ["peak_by_role", "plan"]
 
 _clock = time.perf_counter  # the search's clock (its budget's seconds); a test's fake clock replaces it
 
@@ -175,6 +176,30 @@ def _searchable(cfg: Any, space: Space, cluster: Cluster, candidates: list[Candi
 
 
 
+def peak_by_role(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, held: dict[str, float],
+                 peak: float, saved: float | None = None) -> StepMemory:
+    """A run's measured peak by role: ``cand``'s :class:`~shardings.planner.memory.StepMemory` corrected by what
+    its step measured, as an exact prediction corrects its estimate (:func:`~shardings.planner.memory.corrected`):
+    the held roles as ``metrics["memory"]`` counts them, the activations as measured (``saved``: a pipelined rank's
+    ``saved_peak``) or else estimated for ``cand`` (at most the peak less the held roles), the buffers the rest.
+
+    Raises:
+        ValueError: the planner cannot estimate ``cand`` (its schedule cannot be built for these sizes, a layout
+            that does not split this model).
+
+    >>> parts = peak_by_role(models.gpt, cfg, 8, Candidate("zero3", (("dp", 2),)), adamw, metrics["memory"],
+    ...                      peak)  # doctest: +SKIP
+    >>> parts.peak == peak  # doctest: +SKIP
+    True
+    """
+    if saved is not None:  # measured: corrected() reads no estimate
+        return corrected(StepMemory(*[0.0] * len(ROLES)), held, peak, saved)
+    est = estimates.estimate(model, cfg, rows, cand, optimizer, _profiles(model, cfg, cand), block_period(model, cfg))
+    if est is None:
+        raise ValueError(f"{cand}: its schedule cannot be built for these sizes")
+    return corrected(StepMemory(*(float(est.memory[r]) for r in ROLES)), held, peak, None)
+
+
 def _profiles(model: Any, cfg: Any, cand: Candidate) -> dict:
     """The one-device profiles ``cand``'s estimate reads (:func:`_profiles_of`)."""
     return _profiles_of(model, cfg, cand.precision, cand.remat)
@@ -184,4 +209,6 @@ def _profiles_of(model: Any, cfg: Any, precision: str, remat: bool | str) -> dic
     """Profiles under ``remat``, and without (what a zero-bubble rank's microbatch awaiting W holds under remat:
     the recomputed activations), by ``(compute dtype, remat)``."""
     compute = estimates.DTYPES[precision][0]
+    if not hasattr(cfg, "remat"):  # a model without remat (models.mlp): its one profile
+        return {(compute, False): profile(model, cfg, compute)}
     return {(compute, bool(r)): profile(model, dataclasses.replace(cfg, remat=r), compute) for r in {remat, False}}

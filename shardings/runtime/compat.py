@@ -62,6 +62,7 @@ __all__ = [
     "aot_config_patch",
     "c10d_functional_op",
     "clear_sharding_prop_cache",
+    "compiled_graphs",
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
     "disable_current_modes",
@@ -259,6 +260,14 @@ def aot_config_patch(**settings: Any) -> contextlib.AbstractContextManager:
     if config is None or not all(hasattr(config, k) for k in settings):
         return contextlib.nullcontext()
     return config.patch(**settings)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process so far (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``; each
+    one's backward is compiled with it by AOTAutograd)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def dynamo_config_patch(**settings: Any) -> contextlib.AbstractContextManager:

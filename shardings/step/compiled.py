@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from core import tree
 from shardings.pipeline import Stages
-from shardings.runtime.compat import disable_current_modes, dynamo_config_patch, inductor_cache_dir
+from shardings.runtime.compat import compiled_graphs, disable_current_modes, dynamo_config_patch, inductor_cache_dir
 from shardings.runtime.simulate import simulated
 from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.layouts import Layout
@@ -157,6 +157,7 @@ class Compiled:
         self.steps = 0
         self.shapes: list[tuple[Any, tuple[int, ...]]] | None = None  # batch leaf path -> its shape at step 0
         self.warned = False
+        self.graphs = 0  # graphs compiled by this step's calls (each with its backward): the run's "compiled" line
 
     def fallback(self, why: str) -> None:
         """Warn (once) that this layout's step runs eagerly, and why."""
@@ -209,8 +210,12 @@ class Compiled:
         self.check_batch(batch)
         warm = self.steps >= WARMUP_STEPS
         self.steps += 1
-        if not warm:
-            yield
+        if not warm:  # a warm step compiles nothing (below): only these count graphs (#41, the run's compile line)
+            before = compiled_graphs()
+            try:
+                yield
+            finally:
+                self.graphs += compiled_graphs() - before
             return
         try:
             with torch.compiler.set_stance("fail_on_recompile"), \

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from experiments.console import Console
+from experiments.console import Console, compile_done
 
 
 def test_a_begun_line_is_ended_in_the_log_whole_and_a_warning_in_between_gets_its_own_line(tmp_path):
@@ -31,6 +31,14 @@ def test_a_begun_line_is_ended_in_the_log_whole_and_a_warning_in_between_gets_it
         {"category": "UserWarning", "message": "an axis is idle"}]
     Console(str(tmp_path / "off"), enabled=False).line("nothing")  # another rank: silent, no file
     assert not (tmp_path / "off").exists()
+
+
+def test_the_compile_line_says_how_many_graphs_the_first_step_compiled():
+    # the count is the step's own (Compiled.graphs: tests/shardings/step/test_jit.py counts it)
+    assert compile_done(1, 88.04) == (" 1 graph compiled (with its backward), done in 88.0 s "
+                                      "(tokens/s counts the steps after it)")
+    assert compile_done(2, 3).startswith(" 2 graphs compiled (with their backward), done in 3.0 s")
+    assert compile_done(0, 1).startswith(" no graph compiled (the step ran eagerly)")  # a layout that fell back
 
 
 @pytest.mark.multiprocess

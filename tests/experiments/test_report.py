@@ -10,6 +10,7 @@ import matplotlib.image
 from matplotlib.figure import Figure
 
 from experiments.memory_plot import TRANSIENT, draw_memory, memory_parts
+from experiments.peak import NOT_MEASURED_JIT_CPU
 from experiments.report import SIMULATED_NOTE, collect, comm_by_axis, loss_curves, main, throughput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +44,37 @@ def test_sweep_then_report(tmp_path, capsys):
         assert (sweep / name).read_bytes()[:8] == PNG_SIGNATURE
         height, width, _ = matplotlib.image.imread(sweep / name).shape
         assert height > 100 and width > 100
+    for job in ("0", "1"):
+        _check_peak_parts(sweep / job)
+
+
+def _check_peak_parts(run_dir) -> None:
+    """The run's peak by role sums to its measured peak; each role is its source's: the held roles the step's
+    metrics["memory"], the activations the planner's estimate of the run's layout (at most what the held roles leave
+    of the peak), or a measured count where one is given (a pipelined rank's saved_peak), the buffers the rest."""
+    from omegaconf import OmegaConf
+
+    from experiments.build import build, optimizer
+    from experiments.peak import parts
+    from shardings.planner.candidates import Candidate
+    from shardings.planner.estimate import estimate
+    from shardings.planner.model_profile import block_period
+    from shardings.planner.search import _profiles
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    split, peak, held = summary["peak_parts"], max(summary["peak_memory_ranks"]), summary["memory"]
+    assert sum(split.values()) == peak and all(v >= 0 for v in split.values()), split
+    assert {r: split[r] for r in ROLES} == {r: held[r] for r in ROLES}
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    setup, opt = build(cfg), optimizer(cfg.optim, cfg.steps)
+    cand = Candidate(setup.layout.name, tuple(setup.mesh.shape.items()))
+    est = estimate(setup.model, setup.model_cfg, cfg.data.batch_size, cand, opt,
+                   _profiles(setup.model, setup.model_cfg, cand), block_period(setup.model, setup.model_cfg))
+    rest = peak - sum(held[r] for r in ROLES)
+    assert split["activations"] == min(rest, est.memory["activations"]) > 0
+    assert split["buffers"] == rest - split["activations"]
+    measured, source = parts(setup, opt, cfg.data.batch_size, held, peak, saved=1000.0)
+    assert measured["activations"] == 1000 and measured["buffers"] == rest - 1000 and "measured" in source
 
 
 def test_report_of_an_empty_directory_fails(tmp_path, capsys):
@@ -106,20 +138,41 @@ def test_comm_by_mesh_axis_throughput_marked_simulated_and_pictures_numbered_by_
     assert ran[1] > matplotlib.image.imread(sweep / "layout_1.png").shape[1]  # a placeholder, not a layout
 
 
-def test_memory_png_stacks_the_held_roles_under_the_measured_peak_per_rank(tmp_path, monkeypatch):
-    summary = {"memory": {"params": 4 << 20, "compute": 0, "grads": 4 << 20, "opt_state": 8 << 20, "host": 0},
-               "peak_memory_ranks": [30 << 20, 26 << 20]}
-    assert memory_parts(summary) == {"params": 4 << 20, "compute": 0, "grads": 4 << 20, "opt_state": 8 << 20,
-                                     TRANSIENT: 14 << 20}  # the largest rank's peak less what is held
+def _bands(figure) -> dict[str, list[float]]:
+    """The stacked bars of ``memory.png``'s figure: per band, its height per run (MiB)."""
+    (ax,) = figure.axes
+    return {c.get_label(): [bar.get_height() for bar in c] for c in ax.containers}
+
+
+def test_memory_png_stacks_the_peak_by_role_and_marks_each_ranks_peak(tmp_path, monkeypatch):
+    held = {"params": 4 << 20, "compute": 0, "grads": 4 << 20, "opt_state": 8 << 20, "host": 0}
+    split = {"params": 4 << 20, "compute": 0, "grads": 4 << 20, "opt_state": 8 << 20, "activations": 10 << 20,
+             "buffers": 4 << 20}  # a run's peak_parts (experiments.peak.parts): they sum to its largest peak
+    measured = {"memory": held, "peak_memory_ranks": [30 << 20, 26 << 20], "peak_parts": split}
+    unsplit = {**measured, "peak_parts": None}  # the planner could not estimate it: one band for the rest
+    unmeasured = {"memory": held, "peak_memory_ranks": None, "peak_memory_note": NOT_MEASURED_JIT_CPU}
+    assert memory_parts(measured) == split
+    assert memory_parts(unsplit) == {**{r: held[r] for r in ROLES}, TRANSIENT: 14 << 20}  # largest peak less held
+    assert memory_parts(unmeasured) == {r: held[r] for r in ROLES}
     figures = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
-    draw_memory([{"summary": summary}, {"summary": {**summary, "peak_memory_ranks": None}}], ["#0 a", "#1 b"],
+    draw_memory([{"summary": s} for s in (measured, unsplit, unmeasured)], ["#0 a", "#1 b", "#2 c"],
                 tmp_path / "memory.png")
+    bands = _bands(figures[0])
+    assert list(bands) == ["params", "grads", "opt_state", "activations", "buffers", TRANSIENT]  # compute: 0, none
+    assert bands["activations"] == [10, 0, 0] and bands["buffers"] == [4, 0, 0] and bands[TRANSIENT] == [0, 14, 0]
+    assert [sum(b[i] for b in bands.values()) for i in range(3)] == [30, 30, 16]  # the peak; held alone
     (ax,) = figures[0].axes
-    heights = {bar.get_label(): [] for bar in ax.containers}
-    assert set(heights) == {"params", "grads", "opt_state", TRANSIENT}  # compute: zero everywhere, not drawn
     marks = [p for c in ax.collections for p in c.get_offsets()[:, 1].tolist()]
-    assert marks == [30.0, 26.0]  # one mark per rank of the measured run, in MiB
+    assert marks == [30.0, 26.0, 30.0, 26.0]  # one mark per rank of each measured run, in MiB
+    assert [t.get_text() for t in ax.texts] == ["peak not measured\n(jit=true on CPU)"]  # the run's reason
+    # where a run measures nothing, it says so (console, summary.json's peak_memory_note): jit=true on CPU
+    import torch
+
+    from experiments.peak import measures
+
+    assert measures(False) == (True, None)
+    assert measures(True) == ((True, None) if torch.cuda.is_available() else (False, NOT_MEASURED_JIT_CPU))
     legend = ax.get_legend()
     assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1  # beside the axes: it covers no bar
 

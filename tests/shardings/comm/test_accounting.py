@@ -141,6 +141,24 @@ def test_c10d_ops_distribute_and_recorded_as():
     assert "ppermute" in table and "total" in table.splitlines()[-1] and "224 B" in table
 
 
+def test_a_ppermute_is_counted_as_one_ppermute_of_its_buffer_without_recorded_as():
+    # shardings.ppermute runs one all_to_all_single of one row: a compiled graph runs that op with no recorded_as
+    # around it, so the op itself is what the accounting classifies (as eager's recorded_as would)
+    from shardings import all_to_all, ppermute, shard_map
+
+    mesh = Mesh(cp=4)
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    with simulate(4):
+        x = shard(torch.arange(32.0).reshape(8, 4), P("cp"), mesh)  # 2x4 fp32 per rank: 32 bytes
+        with comms() as c:
+            shard_map(lambda b: ppermute(b, "cp", ring), mesh, P("cp"), P("cp"))(x)
+            shard_map(lambda b: ppermute(b, "cp", [(0, 1)]), mesh, P("cp"), P("cp"))(x)  # a partial perm too
+        with comms() as even:
+            shard_map(lambda b: all_to_all(b, "cp", 1, 0, tiled=True), mesh, P("cp"), P("cp"))(x)  # of many rows
+    assert c.rows() == [{"kind": "ppermute", "axis": "cp", "count": 2, "bytes": 64}]
+    assert [r["kind"] for r in even.rows()] == ["all_to_all"]
+
+
 def test_size_one_axis_moves_nothing():
     mesh = Mesh(dp=1, tp=4)
     assert mesh.device_axes == ("tp",)  # a size-1 axis has no device-mesh dim, hence no group

@@ -42,13 +42,13 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int, model: Any = gpt, cfg: A
     make = functools.partial(shardings.train_step, model.stages(cfg), core.optim.adamw(1e-3), layout=layout, mesh=mesh,
                              accum_steps=2, clip_norm=0.5)
     step, eager = make(jit=True, jit_backend="aot_eager"), make()
-    batch, out = model.example_batch(cfg, 8), {"counts": [], "same_comms": [], "losses": []}
+    batch, out = model.example_batch(cfg, 8), {"counts": [], "comms": [], "losses": []}
     compiled, twin = (params, step.init(params)), (params, eager.init(params))
     for _ in range(steps):
         *compiled, metrics = step(*compiled, batch)
         *twin, want = eager(*twin, batch)
         out["counts"].append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
-        out["same_comms"].append(metrics["comm"] == want["comm"])
+        out["comms"].append((metrics["comm"], want["comm"]))
         out["losses"].append((metrics["loss"], want["loss"]))
     try:
         step(*compiled, model.example_batch(dataclasses.replace(cfg, seq_len=16), 8))
@@ -88,10 +88,23 @@ def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback
         error = run["error"]
         assert "['tokens']" in error and "(8, 32)" in error and "(8, 16)" in error and "Fix:" in error, error
         # metrics["comm"] equals the eager step's: the local path's collectives run eagerly around the graphs, the
-        # DTensor path's tp/sp/ep ones inside them, counted as the graphs run (comms() ignores compile internals).
-        # Not cp's yet: its ring's ppermute (built of all_to_alls, reported once by accounting.recorded_as when
-        # eager) is counted as those all_to_alls inside a graph: recorded_as runs when the graph is traced only
-        assert run["same_comms"] == [layout != "cp"] * len(run["counts"]), (layout, run["same_comms"])
+        # DTensor path's tp/sp/cp/ep ones inside them, counted as the graphs run (comms() ignores compile internals;
+        # a ppermute is one by its op, as eager's recorded_as says: accounting._all_to_all)
+        for jit, eager in run["comms"]:
+            if layout != "cp":
+                assert jit == eager, (layout, jit, eager)
+                continue
+            # cp: the same kinds, axes and all-reduce; the compiled backward runs fewer ring sends, as it ran them:
+            # AOTAutograd's CSE merges the backward's re-send of each block's K/V (the same ppermute of the same
+            # stacked K/V) with the forward's, so each block sends K/V cp-1 times less than eager (which re-sends to
+            # save no received blocks)
+            assert [(r["kind"], r["axis"]) for r in jit] == [(r["kind"], r["axis"]) for r in eager], (jit, eager)
+            jit_rows, eager_rows = ({r["kind"]: r for r in rows} for rows in (jit, eager))
+            assert jit_rows["all_reduce"] == eager_rows["all_reduce"]
+            kv = 2 * (8 // 2) * (CFG.seq_len // 2) * CFG.n_kv_heads * CFG.d_head * 4  # a microbatch's K+V block
+            merged = 2 * CFG.layers * (2 - 1)  # per microbatch (accum_steps=2), per block, cp-1 sends
+            assert eager_rows["ppermute"]["count"] - jit_rows["ppermute"]["count"] == merged, (jit, eager)
+            assert eager_rows["ppermute"]["bytes"] - jit_rows["ppermute"]["bytes"] == merged * kv, (jit, eager)
         jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
         assert_close(jit_losses, eager_losses, terms=8 * CFG.seq_len, msg=f"{layout}: jit vs eager losses")
     # a layout that does not compile runs eagerly, said once with the warning's class, and still trains
@@ -122,3 +135,21 @@ def test_a_recompile_after_the_warm_up_steps_is_a_sharding_error():
     with pytest.raises(ShardingError, match=r"(?s)recompiled at step 2.*dtype mismatch.*Fix: keep every input"), \
             compiled.running({"x": torch.ones(3)}):
         compiled.loss_fn(params, {"x": torch.ones(3, dtype=torch.float64)})
+
+
+@pytest.mark.parametrize(("stages", "graphs"), [(True, 1), (False, 1)])
+def test_the_step_counts_the_graphs_it_compiled(stages, graphs):
+    # one process, no collectives: a 2-block Stages compiles one block graph for both blocks (its backward with it),
+    # a loss without blocks one graph; warm steps compile none (what the run's "compiling ..." line reports)
+    from shardings.step.compiled import Compiled
+
+    torch._dynamo.reset()
+    loss = gpt.stages(CFG) if stages else functools.partial(gpt.loss, cfg=CFG)
+    compiled = Compiled(loss, "aot_eager", Mesh(dp=1))
+    params = gpt.init(core.random.key(0), CFG)
+    leaves = [x.requires_grad_() for x in core.tree.leaves(params)]
+    batch = gpt.example_batch(CFG, 2)
+    for _ in range(WARMUP_STEPS + 1):
+        with compiled.running(batch):
+            grads = torch.autograd.grad(compiled.loss_fn(params, batch), leaves)
+    assert compiled.graphs == graphs and all(g is not None for g in grads)
