@@ -10,6 +10,7 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster, Link
 from shardings.planner.cost import Timing, step_time
 from shardings.planner.fake_step import Measured, measure
+from shardings.planner.model_profile import row_tokens
 from shardings.planner.prediction import Prediction
 from shardings.planner.ranking import Fit, Ranking, Row
 from shardings.planner.search import plan
@@ -28,5 +29,6 @@ __all__ = [
     "enumerate_candidates",
     "measure",
     "plan",
+    "row_tokens",
     "step_time",
 ]
