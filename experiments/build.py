@@ -22,7 +22,6 @@ import core
 import models
 from core import deferred, tree
 from experiments.auto import auto
-from experiments.data import mismatch
 from shardings import Mesh, check_batch_rows, layouts, logical_to_spec, param_specs, pipeline
 from shardings.planner import row_tokens
 
@@ -132,9 +131,6 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     Mesh(dp=4)
     """
     module, model_cfg = _model(cfg.model)
-    data = cfg.get("data")  # what experiments.train feeds (the equivalence app has none: the model's own batches)
-    if data is not None and (why := mismatch(data, cfg.model.name, module, model_cfg)):
-        raise ConfigError(why)
     cfg = auto(cfg, module, model_cfg)  # the one place layout=auto is resolved; callers read the winner in Setup.conf
     offload = cfg.get("offload") or {}
     if offload.get("activations"):
@@ -143,6 +139,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     parts = [p.strip() for p in str(cfg.layout).split("+")]  # the offload presets join the user's spelling
     spelled = "+".join([*parts, *(f"offload_{r}" for r in ("optimizer", "params") if offload.get(r)
                                   and f"offload_{r}" not in parts)])
+    data = cfg.get("data")
     batch_size = batch_size if batch_size is not None else data.batch_size
     seq_len = seq_len or (data.seq_len if data is not None else None) or row_tokens(module, model_cfg)  # ViT: measured
     accum = cfg.get("accum_steps", 1)

@@ -64,7 +64,7 @@ class Declared:
 
 _BYTES = ("experiments.train feeds packed byte text (tokens and next-token labels of vocab 256, data.py); "
           "a model of other inputs trains through the API (shardings.train_step), as its other columns do. "
-          "experiments.build refuses it before any process starts (experiments.data.mismatch)")
+          "experiments.train refuses it before any process starts (experiments.data.mismatch)")
 _DATA = "cannot train on experiments.train's data"
 
 _ONE_HOT = ("under jit=True, F.one_hot (the router's count of chosen experts) asserts its indices in range "
