@@ -39,8 +39,7 @@ from torch.distributed.tensor import DTensor
 from shardings import Mesh, P, check_batch_rows, from_callback, layouts, logical_to_spec
 
 __all__ = ["DataState", "FromIterator", "Packed", "batch_spec", "load_corpus", "mismatch", "read_files", "source",
-           "stdlib_files",
-           "token_file"]
+           "stdlib_files", "token_file"]
 
 SEPARATOR = b"\0"  # between documents; never occurs in Python source
 
