@@ -21,6 +21,7 @@ from typing import Any
 
 from experiments.build import ConfigError
 from shardings import LaunchError
+from shardings.testing import EquivalenceError
 
 MODELS = ("llama_gqa", "gpt2", "encoder", "vit", "moe_top2", "gated_conv")
 
@@ -74,6 +75,13 @@ _UNBACKED = ("under jit=True, zero3 composed with tp on these models' DTensor pa
              "through shardings.einsum) and gated_conv (2-D weights, @) compile it, where these project q/k/v/o with "
              "torch.einsum over 3-D weights: open")
 
+_BF16_EMBED = ("under bf16 on ZB-V's 8 ranks, the embedding's gradient ['tok'] lands at 1.01× the bf16 rule's "
+               "allowance (relative norm 5.3e-2; every other leaf, the loss and the params within it), while the "
+               "fp32 twin, which checks the layout at fp32 power, passes at 0.045×: bf16 rounding of a gradient "
+               "summed over every token's row (the rule counts 1 term under bf16), not the layout; the RoPE's fp32 "
+               "tables cast back to bf16 (as Llama's apply_rotary_emb does) add it. Open: a bf16 rule for "
+               "scatter-added leaves")
+
 # (model, family, feature) -> the error; family "*" for every family of the model's row. On real processes a rank's
 # error comes as the LaunchError that names it.
 DECLARED: dict[tuple[str, str, str], Declared] = {
@@ -81,6 +89,8 @@ DECLARED: dict[tuple[str, str, str], Declared] = {
                                         "its own vocab of 64 gets next-byte labels and byte ids up to 255: " + _BYTES),
     ("vit", "*", "train"): Declared(ConfigError, _DATA, "an image model (images, one class per image, no "
                                     "sequence length of its own) gets text: " + _BYTES),
+    ("llama_gqa", "zero3+tp+pp", "bf16"): Declared(EquivalenceError, "grads differ from the single-device reference",
+                                                   _BF16_EMBED),
     **{("moe_top2", f, "jit"): Declared(LaunchError, "aten._assert_async", _ONE_HOT)
        for f in ("tp+sp", "cp", "ep", "dp+pp")},
     **{(m, f, "jit"): Declared(LaunchError, "PendingUnbackedSymbolNotFound", _UNBACKED)
