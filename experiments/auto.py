@@ -21,7 +21,7 @@ from omegaconf import OmegaConf, open_dict
 
 import core
 import shardings
-from shardings.planner import Candidate, Cluster, Space
+from shardings.planner import Candidate, Cluster, Space, row_tokens
 
 __all__ = ["CONF", "auto", "load_cluster"]
 
@@ -81,7 +81,7 @@ def auto(cfg: Any, module: ModuleType, model_cfg: Any) -> Any:
     cluster = dataclasses.replace(load_cluster("this"), nodes=1, per_node=world)
     data = cfg.get("data")
     rows = data.batch_size if data is not None else cfg.batch_size
-    seq = (data.seq_len if data is not None else None) or model_cfg.seq_len
+    seq = (data.seq_len if data is not None else None) or row_tokens(module, model_cfg)
     precision = core.precision.name_of(str((cfg.get("precision") or {}).get("compute", "float32")))
     space = Space(precisions=(precision,), remat=(getattr(model_cfg, "remat", False),), offload=False)
     ranking = shardings.plan(module, model_cfg, (rows, seq), cluster, space=space, top_k=5, budget_s=20)

@@ -23,6 +23,7 @@ import models
 from core import deferred, tree
 from experiments.auto import auto
 from shardings import Mesh, check_batch_rows, layouts, logical_to_spec, param_specs, pipeline
+from shardings.planner import row_tokens
 
 __all__ = ["ConfigError", "Setup", "build", "loss", "lr_schedule", "model", "optimizer", "pretrained"]
 
@@ -119,7 +120,8 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
     Args:
         cfg: the composed config (``model``, ``layout``, ``mesh``, optional ``runtime`` and ``data``).
         batch_size: the global batch (default ``cfg.data.batch_size``).
-        seq_len: tokens per row (default ``cfg.data.seq_len``, else the model config's ``seq_len``).
+        seq_len: tokens per row (default ``cfg.data.seq_len``, else the model config's ``seq_len``; a config without
+            one, an image model: its tokens per row, measured by ``shardings.planner.row_tokens``).
 
     Returns:
         A :class:`Setup`; with ``layout=auto`` the planner's winner (``experiments.auto.auto``: it prints the ranked
@@ -139,7 +141,7 @@ def build(cfg: Any, *, batch_size: int | None = None, seq_len: int | None = None
                                   and f"offload_{r}" not in parts)])
     data = cfg.get("data")
     batch_size = batch_size if batch_size is not None else data.batch_size
-    seq_len = seq_len or (data.seq_len if data is not None else None) or model_cfg.seq_len
+    seq_len = seq_len or (data.seq_len if data is not None else None) or row_tokens(module, model_cfg)  # ViT: measured
     accum = cfg.get("accum_steps", 1)
     try:
         layout = layouts.get(spelled)  # the run's one resolution (an unknown preset: the nearest name)

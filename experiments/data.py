@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from shardings import Mesh, P, check_batch_rows, from_callback, layouts, logical_to_spec
 
-__all__ = ["DataState", "FromIterator", "Packed", "batch_spec", "load_corpus", "read_files", "source", "stdlib_files",
-           "token_file"]
+__all__ = ["DataState", "FromIterator", "Packed", "batch_spec", "load_corpus", "mismatch", "read_files", "source",
+           "stdlib_files", "token_file"]
 
 SEPARATOR = b"\0"  # between documents; never occurs in Python source
 
@@ -281,3 +281,51 @@ def source(conf: Any, seq_len: int, vocab: int | None) -> tuple[Any, str]:
         raise ValueError(f"data.path={path!r} holds token id {top}, but the model's vocab is {vocab}. Fix: set "
                          f"model.config.vocab={top + 1} or more (the tokenizer's vocabulary size).")
     return Packed(stream, seq_len, conf.batch_size, conf.seed), f"data: {path}, {what}"
+
+
+def _byte_text(conf: Any) -> bool:
+    """Whether ``conf`` (a ``data`` node) reads text as bytes (ids 0-255): a corpus, or a file that is not token ids."""
+    if conf.get("name"):
+        return False
+    path = conf.get("path")
+    return not path or (conf.get("dtype") or ("uint16" if str(path).endswith(".bin") else "bytes")) == "bytes"
+
+
+def _described(batch: Any) -> str:
+    if not isinstance(batch, dict):
+        return type(batch).__name__
+    return "{" + ", ".join(f"{k!r}: " + (f"{str(v.dtype).removeprefix('torch.')} {tuple(v.shape)}"
+                                        if isinstance(v, torch.Tensor) else type(v).__name__)
+                           for k, v in batch.items()) + "}"
+
+
+def mismatch(conf: Any, name: str, module: Any, model_cfg: Any) -> str | None:
+    """Why model ``name`` (its module and config) cannot train on the batches ``conf`` (a ``data`` node) makes, or
+    ``None``: checked before any process starts. The data gives the contract's ``{"tokens", "labels"}``, int64
+    ``(batch_size, seq_len)`` (module docstring); the model's own example batch must be that, its sequence length
+    must come from ``data.seq_len`` or its config's ``seq_len``, and byte text's ids (0-255) must be below its
+    config's ``vocab`` (a token file's ids are checked by :func:`source`, which reads them)."""
+    example = module.example_batch(model_cfg, 2)
+    tokens = example.get("tokens") if isinstance(example, dict) else None
+    same_kind = isinstance(example, dict) and set(example) == {"tokens", "labels"} and all(
+        isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.ndim == 2 and v.shape == tokens.shape
+        for v in example.values())
+    no_seq = conf.get("seq_len") is None and not hasattr(model_cfg, "seq_len")
+    vocab = getattr(model_cfg, "vocab", None)
+    small_vocab = _byte_text(conf) and isinstance(vocab, int) and vocab < 256
+    problems = [why for why, bad in ((f"its example batch is {_described(example)}", not same_kind),
+                                     ("its Config has no seq_len (and data.seq_len is not set)", no_seq),
+                                     (f"its vocab is {vocab}, which cannot embed byte ids up to 255", small_vocab))
+                if bad]
+    if not problems:
+        return None
+    if not same_kind:  # another kind of input: no setting makes text of it
+        fix = ("train it through the API on batches of its own kind (shardings.train_step, or "
+               "shardings.testing.check_equivalence; docs/models.md#training-it)")
+    else:
+        fix = " and ".join(f for f, bad in (("set model.config.vocab=256 (or more)", small_vocab),
+                                             ("set data.seq_len", no_seq)) if bad)
+    gives = "{'tokens', 'labels'}, int64 (data.batch_size, seq_len): next-token rows" + (
+        " of byte ids 0-255" if _byte_text(conf) else "")
+    return (f"model.name={name} cannot train on experiments.train's data: the data gives {gives}, but "
+            f"{'; '.join(problems)}. Fix: {fix}.")

@@ -38,7 +38,7 @@ from core import deferred, tree
 from experiments.auto import CONF, auto, load_cluster, train_overrides
 from experiments.build import ConfigError, model
 from experiments.config import ModelConf, app_overrides, own_model, register, usage
-from shardings.planner import Candidate, Cluster, Space
+from shardings.planner import Candidate, Cluster, Space, row_tokens
 
 __all__ = ["PlanConf", "auto", "candidate", "dropped_by_reason", "load_cluster", "main", "parse_mesh", "planned"]
 
@@ -51,7 +51,7 @@ class PlanConf:
     model: ModelConf = field(default_factory=ModelConf)
     cluster: Any = None  # a member of experiments/conf/cluster (shardings.planner.Cluster's fields)
     batch_size: int = 16  # global batch, in sequences
-    seq_len: int | None = None  # tokens per sequence; null -> the model config's seq_len
+    seq_len: int | None = None  # tokens per sequence; null -> the model config's seq_len (none: measured, a ViT's)
     top_k: int = 10  # rows printed, and candidates run exactly on fake tensors
     budget_s: float = 40.0  # seconds of exact predictions at most
     precisions: list[str] = field(default_factory=lambda: ["fp32"])  # fp32 | bf16 | fp16 to try
@@ -61,7 +61,7 @@ class PlanConf:
     max_microbatches: int = 64  # the most microbatches (pipeline or accumulation) tried
     offload: bool = True  # try the offload presets
     fits: bool = False  # answer yes/no for the candidate below, with its memory breakdown
-    explain: bool = False  # explain the candidate below: where its time and memory go, its rank
+    explain: bool = False  # explain the candidate below: where its time and memory go, its rank (both: both)
     layout: str | None = None  # the candidate for fits/explain ...
     mesh: str | None = None  # ... its mesh, major to minor (dp8_tp2)
     microbatches: int = 1  # ... its microbatches (with pp: the pipeline's; default pp size)
@@ -106,8 +106,7 @@ def run(cfg: Any) -> str:
     model's config and parameter count), then the answer, then the dropped candidates counted by reason."""
     module, model_cfg = model(cfg.model)
     cluster = Cluster.from_dict(OmegaConf.to_container(cfg.cluster, resolve=True))
-    seq = cfg.seq_len or model_cfg.seq_len
-    batch = (cfg.batch_size, seq)
+    batch = (cfg.batch_size, cfg.seq_len or row_tokens(module, model_cfg))  # an image model: its own tokens per row
     head = planned(cfg.model.name, model_cfg, module, batch)
     if cfg.fits or cfg.explain:
         cand = candidate(cfg)
@@ -119,7 +118,8 @@ def run(cfg: Any) -> str:
                               f"Fix: a mesh of {cluster.world} ranks, or another cluster.")
         try:
             ranking = shardings.plan(module, model_cfg, batch, cluster, candidates=[cand], top_k=1, budget_s=1e9)
-            answer = str(ranking.fits(cand)) if cfg.fits else ranking.explain(cand)
+            answers = ([str(ranking.fits(cand))] if cfg.fits else []) + ([ranking.explain(cand)] if cfg.explain
+                                                                         else [])  # both: from one exact run
         except RuntimeError as e:
             op = _data_dependent_op(e)
             if op is None:
@@ -128,7 +128,7 @@ def run(cfg: Any) -> str:
                               "values of a tensor (.item(), a boolean mask's size, nonzero). Fix: make that step of "
                               "the loss shape-only (e.g. a mask multiplied in, not indexed with), or check the "
                               "candidate by running it (experiments.train, experiments.equivalence).") from None
-        return "\n".join([head, answer])
+        return "\n".join([head, *answers])
     space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
                   max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)

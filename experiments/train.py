@@ -56,10 +56,10 @@ from omegaconf import DictConfig, OmegaConf
 import core
 import shardings
 from experiments import peak, resume
-from experiments.build import ConfigError, Setup, build, loss, lr_schedule, optimizer, pretrained
+from experiments.build import ConfigError, Setup, build, loss, lr_schedule, model, optimizer, pretrained
 from experiments.config import app_overrides, own_model, register
 from experiments.console import Console, compile_done, error_line
-from experiments.data import DataState, source
+from experiments.data import DataState, mismatch, source
 from experiments.progress import Progress
 from experiments.sweep import SWEEP_SUMMARY
 from experiments.tracker import Tracker
@@ -311,11 +311,14 @@ def run(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     """Check ``cfg``, write the resolved config, and train under its runtime; return rank 0's summary.
 
     Raises:
-        ConfigError: an impossible combination (raised before any process starts).
+        ConfigError: an impossible combination (raised before any process starts), a model the data cannot feed
+            among them (``experiments.data.mismatch``).
         shardings.LaunchError: a rank failed (multiprocess / torchrun).
     """
     if cfg.runtime.kind == "torchrun":
         _torchrun_env()
+    if why := mismatch(cfg.data, cfg.model.name, *model(cfg.model)):  # a model of other inputs: before any planning
+        raise ConfigError(why)
     setup = build(cfg)
     cfg = setup.conf  # layout=auto: the winner build planned, once; every rank runs it
     if cfg.model.init_from:

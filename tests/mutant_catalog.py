@@ -533,6 +533,19 @@ MUTANTS: tuple[Mutant, ...] = (
            "leaf)",
            "each rank computes on its neighbour's local values",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
+    # -- the zoo's planner column and experiments.train's data check (issue #40) ------------------------------------
+    Mutant("row-tokens-drops-the-class-token", "shardings/planner/model_profile.py",
+           "    return residual[0].numel() // dim",
+           "    return residual[0].numel() // dim - 1",
+           "a Config without seq_len is planned one token short a row (the ViT's class token left out)",
+           ("tests/zoo/test_zoo_planner.py::test_the_planner_measures_the_tokens_of_a_model_without_seq_len",)),
+    Mutant("data-check-takes-any-labels-shape", "experiments/data.py",
+           "v.ndim == 2 and v.shape == tokens.shape",
+           "v.ndim >= 1",
+           "experiments.train takes a classifier's one label per row for next-token labels: the fix it names is the "
+           "vocab, which cannot make it train",
+           ("tests/zoo/test_zoo_planner.py::"
+            "test_layout_auto_on_a_model_the_data_cannot_feed_gives_its_declared_error[encoder auto]",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

@@ -11,6 +11,7 @@ from shardings.planner.cluster import Cluster, Link
 from shardings.planner.cost import Timing, step_time
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.memory import StepMemory
+from shardings.planner.model_profile import row_tokens
 from shardings.planner.prediction import Prediction
 from shardings.planner.ranking import Fit, Ranking, Row
 from shardings.planner.search import peak_by_role, plan
@@ -31,5 +32,6 @@ __all__ = [
     "measure",
     "peak_by_role",
     "plan",
+    "row_tokens",
     "step_time",
 ]

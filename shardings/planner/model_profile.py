@@ -25,7 +25,7 @@ from core import deferred, tree
 from shardings.planner.fake_step import OpCounter
 from shardings.runtime.compat import FakeTensorMode
 
-__all__ = ["Part", "Profile", "block_period", "profile"]
+__all__ = ["Part", "Profile", "block_period", "profile", "row_tokens"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,36 @@ def block_period(model: Any, cfg: Any, blocks: str = "blocks") -> int:
         if all(shapes[i] == shapes[i + p] for i in range(len(shapes) - p)):
             return p
     return 1
+
+
+def row_tokens(model: Any, cfg: Any) -> int:
+    """Tokens per batch row in the model's residual stream: its config's ``seq_len``, else measured on fake tensors
+    (nothing allocated) as the residual its first stage makes of a one-row example batch (a ViT: its patches and
+    class token), the carry's tensor whose last dim is the config's ``dim``.
+
+    Raises:
+        ValueError: a config without ``seq_len`` whose model declares no ``stages`` or whose config has no ``dim``.
+    """
+    if hasattr(cfg, "seq_len"):
+        return cfg.seq_len
+    name = f"{type(cfg).__module__}.{type(cfg).__qualname__}"
+    dim = getattr(cfg, "dim", None)
+    if dim is None or not hasattr(model, "stages"):
+        raise ValueError(f"{name} has no seq_len, and the planner cannot measure its tokens per row: that needs the "
+                         f"model's stages(cfg) (its first stage's output) and a dim field (its width). Fix: give the "
+                         f"Config a seq_len (tokens per row of its residual stream), or declare stages(cfg) and dim.")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with deferred.deferred():
+        recipes = model.init(core.random.key(0), cfg)
+    with mode:
+        params = tree.map(lambda r: torch.empty(r.shape, dtype=r.dtype), recipes)
+        carry = model.stages(cfg).first(params, model.example_batch(cfg, 1))
+    residual = [x for x in tree.leaves(carry) if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[-1] == dim]
+    if not residual:
+        shapes = [tuple(x.shape) for x in tree.leaves(carry) if isinstance(x, torch.Tensor)]
+        raise ValueError(f"{name} has no seq_len, and its first stage's output {shapes} has no tensor of width "
+                         f"dim={dim} (the residual stream, (rows, tokens, dim)). Fix: give the Config a seq_len.")
+    return residual[0].numel() // dim
 
 
 @functools.lru_cache(maxsize=64)

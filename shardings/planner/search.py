@@ -31,7 +31,7 @@ from shardings.planner.candidates import Candidate, Space, enumerate_candidates
 from shardings.planner.cluster import Cluster
 from shardings.planner.cost import step_time
 from shardings.planner.memory import ROLES, StepMemory, corrected
-from shardings.planner.model_profile import block_period, profile
+from shardings.planner.model_profile import block_period, profile, row_tokens
 from shardings.planner.ranking import Checked, Ranking, Row, describe_drop, describe_failure, describe_state_drop
 from shardings.spec.errors import ShardingError
 
@@ -40,7 +40,7 @@ __all__ = ["peak_by_role", "plan"]
 _clock = time.perf_counter  # the search's clock (its budget's seconds); a test's fake clock replaces it
 
 
-def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *, optimizer: Any = None,
+def plan(model: Any, cfg: Any, batch_shape: tuple[int, int | None], cluster: Cluster, *, optimizer: Any = None,
          space: Space | None = None, top_k: int = 8, budget_s: float = 40.0, slack: float = 1.25,
          candidates: list[Candidate] | None = None) -> Ranking:
     """Rank layouts × meshes × microbatches × schedules × remat × precision × offload by predicted step time.
@@ -51,7 +51,8 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     Args:
         model: the model module (``init``, ``axes``, ``loss``, ``stages``, ``example_batch``, a frozen ``Config``).
         cfg: its config (``layers``, and for the estimates ``dim``, heads, experts when it has them).
-        batch_shape: ``(rows, seq_len)`` of the global batch per step.
+        batch_shape: ``(rows, seq_len)`` of the global batch per step; ``seq_len`` ``None``: the config's own (a
+            config without ``seq_len``, an image model: its tokens per row, measured from its example batch).
         cluster: the cluster (``shardings.planner.Cluster``, e.g. from ``experiments/conf/cluster``).
         optimizer: the optimizer (default ``core.optim.adamw``).
         space: what to search besides layouts and meshes (:class:`~shardings.planner.Space`; default ``Space()``).
@@ -73,7 +74,8 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
 
     start = _clock()
     rows, seq = batch_shape
-    cfg, space = _searchable(dataclasses.replace(cfg, seq_len=seq), space or Space(), cluster, candidates)
+    cfg, space = _searchable(model, cfg, seq, space or Space(), cluster, candidates)
+    seq = cfg.seq_len
     optimizer = optimizer if optimizer is not None else core.optim.adamw(1e-3)
     if candidates is None:
         candidates = enumerate_candidates(cluster.world, cfg, rows, seq, per_node=cluster.per_node, space=space)
@@ -153,27 +155,48 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int], cluster: Cluster, *
     return Ranking(ranked, dropped, cluster, _clock() - start, len(candidates), predict, checked)
 
 
-def _searchable(cfg: Any, space: Space, cluster: Cluster, candidates: list[Candidate] | None) -> tuple[Any, Space]:
-    """What this model and cluster let the search try. A ``Config`` without a ``remat`` field is planned without
-    remat: it gets one fixed at ``False`` (a subclass; the model never reads it) so every fake step can set it. A
-    cluster whose ranks compute on the host's CPU cores (``cores`` set) has no separate host memory: no offload."""
-    if "remat" not in {f.name for f in dataclasses.fields(cfg)}:
+def _searchable(model: Any, cfg: Any, seq: int | None, space: Space, cluster: Cluster,
+                candidates: list[Candidate] | None) -> tuple[Any, Space]:
+    """The config the search reads, and what this model and cluster let it try.
+
+    The batch's ``seq`` is the config's ``seq_len`` (``None``: the config's own). A ``Config`` without a ``seq_len``
+    (an image model) is planned at its own tokens per row, measured
+    (:func:`~shardings.planner.model_profile.row_tokens`), which ``seq`` must be if given. A ``Config`` without a
+    ``remat`` field is planned without remat. A field the ``Config`` lacks is added, fixed, in a subclass (the model
+    never reads it) so that every estimate and fake step can read and set it. A cluster whose ranks compute on the
+    host's CPU cores (``cores`` set) has no separate host memory: no offload."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    added: dict[str, Any] = {}
+    if "seq_len" in fields:
+        cfg = dataclasses.replace(cfg, seq_len=seq) if seq is not None else cfg
+    else:
+        tokens = row_tokens(model, cfg)
+        if seq is not None and seq != tokens:
+            raise ValueError(f"batch_shape's seq_len={seq}: {type(cfg).__module__}.{type(cfg).__qualname__} has no "
+                             f"seq_len field to set, and its rows are {tokens} tokens (its example batch, measured). "
+                             f"Fix: pass seq_len={tokens} or None (the model's own), or give the Config a seq_len "
+                             "field.")
+        if not hasattr(cfg, "seq_len"):
+            added["seq_len"] = tokens
+    if "remat" not in fields:
         wanted = sorted({str(c.remat) for c in candidates or [] if c.remat})
         if wanted:
             raise ValueError(f"remat={wanted[0]}: {type(cfg).__module__}.{type(cfg).__qualname__} has no remat field "
                              "to recompute (or offload) its blocks with. Fix: remat=false, or give the Config a "
                              "remat field its blocks honor.")
+        added["remat"] = False
+        space = dataclasses.replace(space, remat=(False,))
+    if added:
         base = type(cfg)
         frozen = base.__dataclass_params__.frozen
-        with_remat = dataclasses.make_dataclass(base.__name__, [("remat", Any, False)], bases=(base,), frozen=frozen)
-        with_remat.__module__, with_remat.__qualname__ = base.__module__, base.__qualname__
-        cfg = with_remat(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
-        space = dataclasses.replace(space, remat=(False,))
+        extended = dataclasses.make_dataclass(base.__name__, [(k, Any, v) for k, v in added.items()], bases=(base,),
+                                              frozen=frozen)
+        extended.__module__, extended.__qualname__ = base.__module__, base.__qualname__
+        cfg = extended(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
     if cluster.cores is not None:
         remat = tuple(r for r in space.remat if r != "offload") or (False,)
         space = dataclasses.replace(space, offload=False, remat=remat)
     return cfg, space
-
 
 
 def peak_by_role(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, held: dict[str, float],

@@ -68,7 +68,8 @@ def rope(x, theta, offset=0):
     angles = torch.outer(torch.arange(offset, offset + s, dtype=torch.float32), freqs)  # (s, d/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]  # (1, s, 1, d/2)
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)  # (b, s, h, d)
+    rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)  # (b, s, h, d), fp32
+    return rotated.type_as(x)  # back to the compute dtype (Llama's apply_rotary_emb): v stays in it
 
 
 def embed(params, batch):
