@@ -516,6 +516,19 @@ MUTANTS: tuple[Mutant, ...] = (
            "leaf)",
            "each rank computes on its neighbour's local values",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
+    # -- the planner's exact runs of TeraPipe candidates (issue #44) -----------------------------------------
+    Mutant("planner-exact-chunked-probes-whole", "shardings/planner/exact.py",
+           "              seq_chunks=cand.seq_chunks)\n",
+           "              seq_chunks=1)\n",
+           "a TeraPipe candidate's peak probes run each rank's whole-sequence program: its activations are unchunked",
+           ("tests/shardings/planner/test_seq_chunks.py::"
+            "test_the_exact_run_of_a_chunked_candidate_runs_its_chunks_as_its_estimate_predicts",)),
+    Mutant("planner-exact-chunked-comm-steps-whole", "shardings/planner/exact.py",
+           "return build(cand.schedule, 1, microbatches, seq_chunks=cand.seq_chunks), True, True",
+           "return None",
+           "a TeraPipe candidate's comm steps run whole sequences: its ops and collectives are counted unchunked",
+           ("tests/shardings/planner/test_seq_chunks.py::"
+            "test_the_exact_run_of_a_chunked_candidate_runs_its_chunks_as_its_estimate_predicts",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
