@@ -529,6 +529,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "a TeraPipe candidate's comm steps run whole sequences: its ops and collectives are counted unchunked",
            ("tests/shardings/planner/test_seq_chunks.py::"
             "test_the_exact_run_of_a_chunked_candidate_runs_its_chunks_as_its_estimate_predicts",)),
+    Mutant("terapipe-first-offset-misses-a-chunk", "shardings/pipeline/execute.py",
+           "offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit))",
+           "offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit - 1))",
+           "the executor passes a chunk's prefix_first the offset of the chunk before it (learned positions shifted)",
+           ("tests/zoo/test_zoo_terapipe.py::test_decoder_with_uneven_chunks_equals_one_device",)),
+    Mutant("terapipe-chunked-loss-offset-stays-zero", "shardings/pipeline/stages.py",
+           "            offset += seq_length(chunk)\n",
+           "            offset += 0\n",
+           "Stages.chunked_loss runs every chunk's prefix_first at offset 0 (positions from 0 in every chunk)",
+           ("tests/zoo/test_zoo_terapipe.py::"
+            "test_gpt2_chunks_take_their_learned_positions_at_their_offset_with_no_batch_key",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
