@@ -540,6 +540,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "Stages.chunked_loss runs every chunk's prefix_first at offset 0 (positions from 0 in every chunk)",
            ("tests/zoo/test_zoo_terapipe.py::"
             "test_gpt2_chunks_take_their_learned_positions_at_their_offset_with_no_batch_key",)),
+    Mutant("terapipe-prefix-graphs-at-torchs-limit", "shardings/step/compiled.py",
+           "PREFIX_GRAPHS = 64",
+           "PREFIX_GRAPHS = 8",
+           "a compiled prefix block keeps torch's recompile limit: past 8 chunks per sequence jit fails (or runs eager)",
+           ("tests/shardings/step/test_jit_pipeline.py::"
+            "test_terapipe_compiles_a_prefix_graph_per_chunk_position_past_torchs_recompile_limit",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
