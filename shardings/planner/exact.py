@@ -237,7 +237,7 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
     """
     s = build(cand.schedule, cand.size("pp"), cand.microbatches, virtual_stages=cand.virtual_stages,
               seq_chunks=cand.seq_chunks)
-    k = s.seq_chunks  # TeraPipe: actions number units mb·k + c; a probe keeps whole microbatches (every chunk)
+    per_mb = s.seq_chunks  # TeraPipe: actions number units mb·k + c; a probe keeps whole microbatches (every chunk)
     release = "W" if s.split_backward else "B"
     sends = sends_held(s)
     ranks = []
@@ -245,8 +245,8 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
         chunks = {st: k for k, st in enumerate(st for st in range(s.stages) if s.rank_of(st) == rank)}
         computes = [Action(a.kind, chunks[a.stage], a.mb) for a in actions if a.kind in ("F", "B", "W")]
         cut, states = _new_states(computes, release, len(chunks))
-        started = {a.mb // k for a in computes[:cut + 1]}
-        kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb // k in started)
+        started = {a.mb // per_mb for a in computes[:cut + 1]}
+        kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb // per_mb in started)
         ranks.append(RankProgram(kept, s.rank_of(0) == rank, s.rank_of(s.stages - 1) == rank, sends[rank],
                                  tuple(states)))
     uncovered = [r for r in ranks if not any(_covers(other, r) for other in ranks if other.key != r.key)]
@@ -258,9 +258,9 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
     for r in uncovered:
         if r.first or r.last or r is fullest:
             programs.setdefault(r.key, r)
-    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in r.actions) // k,
+    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in r.actions) // per_mb,
                        (program(list(r.actions), s.stages_per_rank),), stages_per_rank=s.stages_per_rank,
-                       seq_chunks=k), r.first, r.last), r.sends) for r in programs.values()]
+                       seq_chunks=per_mb), r.first, r.last), r.sends) for r in programs.values()]
 
 
 class RankProgram(NamedTuple):
