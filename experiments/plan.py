@@ -60,12 +60,15 @@ class PlanConf:
     max_pp: int = 16  # the largest pipeline-parallel degree tried
     max_microbatches: int = 64  # the most microbatches (pipeline or accumulation) tried
     offload: bool = True  # try the offload presets
+    seq_chunks_tried: list[int] = field(default_factory=lambda: [1])  # TeraPipe chunks per sequence to try (gpipe,
+    # 1f1b; run exactly like the rest): e.g. [1,2,4]; [1]: whole sequences only
     fits: bool = False  # answer yes/no for the candidate below, with its memory breakdown
     explain: bool = False  # explain the candidate below: where its time and memory go, its rank (both: both)
     layout: str | None = None  # the candidate for fits/explain ...
     mesh: str | None = None  # ... its mesh, major to minor (dp8_tp2)
     microbatches: int = 1  # ... its microbatches (with pp: the pipeline's; default pp size)
     schedule: str | None = None  # ... with pp: its schedule (default 1f1b)
+    seq_chunks: int = 1  # ... with pp: TeraPipe's chunks per sequence (gpipe, 1f1b; train's pipeline.seq_chunks)
     remat: Any = False  # ... its remat (false, true, offload)
     precision: str = "fp32"  # ... its precision
 
@@ -97,7 +100,7 @@ def candidate(cfg: Any) -> Candidate:
     if layout.pipelined:
         m = shardings.pipeline.default_microbatches(sizes.get("pp", 1), cfg.microbatches)
         return Candidate(layout.name, tuple(sizes.items()), m, cfg.schedule or shardings.pipeline.DEFAULT_SCHEDULE,
-                         None, cfg.remat, cfg.precision)
+                         None, cfg.remat, cfg.precision, cfg.seq_chunks)
     return Candidate(layout.name, tuple(sizes.items()), cfg.microbatches, None, None, cfg.remat, cfg.precision)
 
 
@@ -130,7 +133,8 @@ def run(cfg: Any) -> str:
                               "candidate by running it (experiments.train, experiments.equivalence).") from None
         return "\n".join([head, *answers])
     space = Space(precisions=tuple(cfg.precisions), remat=tuple(cfg.remats), max_microbatches=cfg.max_microbatches,
-                  max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload)
+                  max_cp=cfg.max_cp, max_pp=cfg.max_pp, offload=cfg.offload,
+                  seq_chunks=tuple(cfg.seq_chunks_tried))
     ranking = shardings.plan(module, model_cfg, batch, cluster, space=space, top_k=cfg.top_k, budget_s=cfg.budget_s)
     return "\n".join([head, ranking.table(cfg.top_k, train_overrides), *dropped_by_reason(ranking.dropped)])
 

@@ -546,6 +546,36 @@ MUTANTS: tuple[Mutant, ...] = (
            "vocab, which cannot make it train",
            ("tests/zoo/test_zoo_planner.py::"
             "test_layout_auto_on_a_model_the_data_cannot_feed_gives_its_declared_error[encoder auto]",)),
+    # -- the planner's exact runs of TeraPipe candidates (issue #44) -----------------------------------------
+    Mutant("planner-exact-chunked-probes-whole", "shardings/planner/exact.py",
+           "              seq_chunks=cand.seq_chunks)\n",
+           "              seq_chunks=1)\n",
+           "a TeraPipe candidate's peak probes run each rank's whole-sequence program: its activations are unchunked",
+           ("tests/shardings/planner/test_seq_chunks.py::"
+            "test_the_exact_run_of_a_chunked_candidate_runs_its_chunks_as_its_estimate_predicts",)),
+    Mutant("planner-exact-chunked-comm-steps-whole", "shardings/planner/exact.py",
+           "return build(cand.schedule, 1, microbatches, seq_chunks=cand.seq_chunks), True, True",
+           "return None",
+           "a TeraPipe candidate's comm steps run whole sequences: its ops and collectives are counted unchunked",
+           ("tests/shardings/planner/test_seq_chunks.py::"
+            "test_the_exact_run_of_a_chunked_candidate_runs_its_chunks_as_its_estimate_predicts",)),
+    Mutant("terapipe-first-offset-misses-a-chunk", "shardings/pipeline/execute.py",
+           "offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit))",
+           "offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit - 1))",
+           "the executor passes a chunk's prefix_first the offset of the chunk before it (learned positions shifted)",
+           ("tests/zoo/test_zoo_terapipe.py::test_decoder_with_uneven_chunks_equals_one_device",)),
+    Mutant("terapipe-chunked-loss-offset-stays-zero", "shardings/pipeline/stages.py",
+           "            offset += seq_length(chunk)\n",
+           "            offset += 0\n",
+           "Stages.chunked_loss runs every chunk's prefix_first at offset 0 (positions from 0 in every chunk)",
+           ("tests/zoo/test_zoo_terapipe.py::"
+            "test_gpt2_chunks_take_their_learned_positions_at_their_offset_with_no_batch_key",)),
+    Mutant("terapipe-prefix-graphs-at-torchs-limit", "shardings/step/compiled.py",
+           "PREFIX_GRAPHS = 64",
+           "PREFIX_GRAPHS = 8",
+           "a compiled prefix block keeps torch's recompile limit: past 8 chunks per sequence jit fails (or runs eager)",
+           ("tests/shardings/step/test_jit_pipeline.py::"
+            "test_terapipe_compiles_a_prefix_graph_per_chunk_position_past_torchs_recompile_limit",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

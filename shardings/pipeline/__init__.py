@@ -31,7 +31,7 @@ from shardings.pipeline.schedule import (
     stages_per_rank,
     timeline,
 )
-from shardings.pipeline.seq_chunks import SeqChunks, cut
+from shardings.pipeline.seq_chunks import SeqChunks, cut, seq_length
 from shardings.pipeline.stages import Split, Stages, split
 from shardings.pipeline.wire import Message
 from shardings.pipeline.zero_bubble import zb_h1, zb_v
@@ -62,6 +62,7 @@ __all__ = [
     "program",
     "register_schedule",
     "run",
+    "seq_length",
     "split",
     "stages_per_rank",
     "timeline",

@@ -49,6 +49,7 @@ from shardings.pipeline.backward import backward_input, backward_weight
 from shardings.pipeline.check import check
 from shardings.pipeline.prefix import Prefixes
 from shardings.pipeline.schedule import Action, Schedule
+from shardings.pipeline.seq_chunks import seq_length
 from shardings.pipeline.stages import Split, Stages
 from shardings.pipeline.wire import Message, Wire, cached_templates
 from shardings.runtime.compat import pytree
@@ -207,7 +208,7 @@ class _Runner:
     def _f(self, rank: int, s: int, mb: int) -> None:
         batch = self.microbatches[mb]
         with self.saved.hooks(rank):
-            carry = self.stages.first(self.params, batch) if s == 0 else self.inputs.pop((s, mb))
+            carry = self._first(mb) if s == 0 else self.inputs.pop((s, mb))
             x = carry
             if self.prefixes is not None:
                 blocks = [(i, self.params[self.stages.blocks][i]) for i in self.split.ranges[s]]
@@ -219,6 +220,13 @@ class _Runner:
                 x = self.stages.last(self.params, x, batch) * self.weights[mb]
                 self.losses[mb] = x.detach()
         self.graphs[(s, mb)] = (carry, x)
+
+    def _first(self, unit: int) -> Any:
+        """The first stage on unit ``unit``; a TeraPipe chunk at its offset, the earlier chunks' lengths."""
+        if self.k == 1:
+            return self.stages.first(self.params, self.microbatches[unit])
+        offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit))
+        return self.stages.chunk_first(self.params, self.microbatches[unit], offset)
 
     def _b(self, rank: int, s: int, mb: int) -> None:
         carry, out = self.graphs.pop((s, mb))

@@ -29,7 +29,7 @@ from shardings.pipeline.schedule import ScheduleError
 from shardings.runtime.compat import pytree
 from shardings.spec.errors import sharding_error
 
-__all__ = ["GRID", "SeqChunks", "cut"]
+__all__ = ["GRID", "SeqChunks", "cut", "seq_length"]
 
 GRID = 256  # the most cut positions the dynamic program considers (a coarser grid beyond: O(k · GRID²))
 RULES = ("terapipe", "equal")
@@ -166,3 +166,9 @@ def cut(batch: Any, sizes: Sequence[int], dim: int = 1) -> list[Any]:
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [pytree.tree_map(lambda x, a=a, n=n: x.narrow(dim, a, n) if isinstance(x, torch.Tensor) else x, batch)
             for a, n in zip(starts, sizes)]
+
+
+def seq_length(batch: Any, dim: int = 1) -> int:
+    """The tokens per sequence of ``batch``: the size along ``dim`` of its first tensor that has that dim (what
+    :func:`cut` cuts; a chunk's offset in its sequence is the lengths of the chunks before it)."""
+    return next(x.shape[dim] for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.ndim > dim)

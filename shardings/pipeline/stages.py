@@ -12,7 +12,11 @@ that flow through the stages in order) by declaring ``prefix_block(params["block
 block ``i`` on a chunk's carry after ``past``, the list of what the same block returned for the earlier chunks
 of the sequence, returning ``(carry, present)`` (a decoder: the chunk's keys and values). The executor keeps
 each stage's ``past`` until the chunks' backward, and sums the gradients later chunks send to a ``present``
-before that chunk's own backward. :meth:`Stages.chunked_loss` is the single-device loss run chunk by chunk.
+before that chunk's own backward. A model whose first stage depends on where the chunk sits in its sequence
+(learned positions) also declares ``prefix_first(params, batch, offset)``: ``first`` on a chunk whose first token
+is token ``offset`` of its sequence (the earlier chunks' lengths, counted by the executor); without it, ``first``
+runs on every chunk as on a whole sequence (RoPE's positions are the blocks', from ``past``).
+:meth:`Stages.chunked_loss` is the single-device loss run chunk by chunk.
 
 :func:`split` assigns contiguous blocks to stages, balancing cost (parameter count by default); the
 first stage also pays for what ``first`` uses and the last for what ``last`` uses. The split prints as a
@@ -27,6 +31,7 @@ from typing import Any
 
 import torch
 
+from shardings.pipeline.seq_chunks import seq_length
 from shardings.runtime.compat import pytree
 
 __all__ = ["Split", "Stages", "block_index", "rank_stages", "split"]
@@ -45,6 +50,8 @@ class Stages:
     carry_names: Callable[[Any], Any] | None = None
     # TeraPipe (module docstring): block i on a chunk after the earlier chunks' presents -> (carry, present)
     prefix_block: Callable[[Any, Any, int, list[Any]], tuple[Any, Any]] | None = None
+    # TeraPipe: the first stage on a chunk that starts ``offset`` tokens into its sequence (module docstring)
+    prefix_first: Callable[[Any, Any, int], Any] | None = None
 
     def __call__(self, params: Any, batch: Any) -> torch.Tensor:
         """The stages are a loss function: ``train_step(models.gpt.stages(cfg), ...)`` under any layout."""
@@ -57,14 +64,20 @@ class Stages:
             carry = self.block(p, carry, i)
         return self.last(params, carry, batch)
 
+    def chunk_first(self, params: Any, chunk: Any, offset: int) -> Any:
+        """The first stage on a chunk that starts ``offset`` tokens into its sequence: ``prefix_first`` where the
+        model declares it, else ``first``."""
+        return self.first(params, chunk) if self.prefix_first is None else self.prefix_first(params, chunk, offset)
+
     def chunked_loss(self, params: Any, chunks: Sequence[Any], weights: Sequence[float]) -> torch.Tensor:
         """The loss of a sequence cut into ``chunks`` (batches of consecutive tokens, first to last), each chunk's
         loss times its ``weights`` share, the blocks run by ``prefix_block`` chunk after chunk: what a TeraPipe
         pipeline computes, on one device."""
         pasts: list[list[Any]] = [[] for _ in params[self.blocks]]
-        total = None
+        total, offset = None, 0
         for chunk, w in zip(chunks, weights):
-            carry = self.first(params, chunk)
+            carry = self.chunk_first(params, chunk, offset)
+            offset += seq_length(chunk)
             for i, p in enumerate(params[self.blocks]):
                 carry, present = self.prefix_block(p, carry, i, list(pasts[i]))
                 pasts[i].append(present)
@@ -109,7 +122,8 @@ def rank_stages(stages: Stages, first: bool, last: bool) -> Stages:
         return sum((x.float() ** 2).sum() for x in pytree.tree_leaves(carry)
                    if isinstance(x, torch.Tensor) and x.is_floating_point())
 
-    return dataclasses.replace(stages, first=stages.first if first else leaf, last=stages.last if last else stand_in)
+    return dataclasses.replace(stages, first=stages.first if first else leaf, last=stages.last if last else stand_in,
+                               prefix_first=stages.prefix_first if first else None)
 
 
 def block_index(path: Any, blocks: str = "blocks") -> int | None:

@@ -18,8 +18,12 @@ weight gradients in its order, over its ``v`` chunks of ``2p`` and ``3p`` blocks
 blocks), with the embedding and the head only where the rank runs them
 (:func:`~shardings.pipeline.stages.rank_stages`), plus the messages it holds sent and not yet known delivered
 (:func:`~shardings.pipeline.delivery.sends_held`, a residual stream each). The fullest rank's is the candidate's
-peak. A step holds nothing of the step before but its parameters and optimizer state (the schedule's result it
-keeps, ``TrainStep.last``, drops its gradients), so one step from ``init`` is what every later step holds. Against
+peak. A TeraPipe candidate (``seq_chunks = k``) runs its chunked schedule in every fake step (at ``pp = 1`` and in
+each rank's probe, whole microbatches of ``k`` chunks each), so its measured ops, collectives and activations held
+are the chunks'; its carries are ``k`` messages per microbatch, the same bytes in all (a message held at the peak
+counted at ``1/k`` of a microbatch's carry: the chunks' mean). A step holds nothing of the step before but its
+parameters and optimizer state (the schedule's result it keeps, ``TrainStep.last``, drops its gradients), so one
+step from ``init`` is what every later step holds. Against
 4 gloo processes (gpt 4×64, pp2_dp2) that peak is within 1% for GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V
 with ZeRO-1/2/3 and a bf16 policy (``tests/shardings/planner/test_peak_memory.py``).
 """
@@ -70,6 +74,16 @@ def _measure(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...
     return measure(model, cfg, layout=layout, mesh=dict(mesh), batch_rows=rows, optimizer=optimizer,
                    precision=_policy(precision), microbatches=microbatches, schedule=probe if pipelined else None,
                    ends=tuple(ends))
+
+
+def _whole_step(cand: Candidate, microbatches: int) -> tuple[Schedule, bool, bool] | None:
+    """The program of a pipelined candidate's comm steps at ``pp = 1`` over ``microbatches``: ``None``
+    (:data:`WHOLE_STEP_PROGRAM`) on whole sequences; with ``seq_chunks = k`` its schedule cutting each microbatch into
+    ``k`` chunks (TeraPipe), so the step runs the chunks' smaller ops and collectives, ``k`` times as many, and holds
+    what a chunked step holds."""
+    if cand.seq_chunks == 1:
+        return None
+    return build(cand.schedule, 1, microbatches, seq_chunks=cand.seq_chunks), True, True
 
 
 def _values(m: Measured) -> dict[str, Any]:
@@ -136,7 +150,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         mesh = tuple((a, 1 if a == "pp" else n) for a, n in cand.mesh)
         rows_mb = rows // cand.microbatches
         points = {(L, k): _values(_measure(model, dataclasses.replace(cfg, layers=L, remat=cand.remat), cand.layout,
-                                           mesh, rows_mb * k, cand.precision, k, optimizer))
+                                           mesh, rows_mb * k, cand.precision, k, optimizer, _whole_step(cand, k)))
                   for L in (la, la + period) for k in (1, 2)}
         # the peak probes: each rank's program, its chunks of 2p and 3p blocks each
         chunks = stages_per_rank(cand.schedule, cand.virtual_stages)
@@ -149,7 +163,8 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         rank = _affine(points, period, blocks, cand.microbatches)
         sends = pipeline_sends(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
     carry = _carry_bytes(cfg, rows, cand)
-    comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
+    k = cand.seq_chunks
+    comm, simulated = _rows(rank, sends[1], carry, k), _rows(total, sends[0], carry, k)
     host = float(rank.get("role/host", 0))
     peak, saved = float(rank["peak"]) - host, None
     if cand.pipelined and peak_probes:
@@ -157,8 +172,9 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         # activations that rank's step saved at once (the schedule's own count)
         at_depth = [(_affine({(L, 1): v for L, v in probe.items()}, period * chunks, blocks, 1), sends)
                     for probe, sends in held]
-        values, sends = max(at_depth, key=lambda vs: float(vs[0]["peak"]) + vs[1] * carry)
-        peak, saved = float(values["peak"]) + sends * carry - host, values.get("saved")
+        # a message held is one unit's carry: a microbatch's, or with seq_chunks a chunk's (1/k of it on average)
+        values, sends = max(at_depth, key=lambda vs: float(vs[0]["peak"]) + vs[1] * carry / k)
+        peak, saved = float(values["peak"]) + sends * carry / k - host, values.get("saved")
     memory = corrected(StepMemory(*(estimated.memory[r] for r in ROLES)),
                        {r.removeprefix("role/"): v for r, v in rank.items() if r.startswith("role/")}, peak, saved,
                        layout.host)._asdict()
@@ -177,7 +193,8 @@ def work_units(cand: Candidate, period: int) -> int:
         return sum(L * k for L in (la, la + period) for k in ks)
     chunks = stages_per_rank(cand.schedule, cand.virtual_stages)
     probes = sum(probe[0].microbatches for probe, _ in rank_programs(cand))
-    return 3 * (la + la + period) + probes * chunks * (la + la + period)
+    # TeraPipe: k chunks per microbatch, each block's ops k times (each a shape computation, whatever its size)
+    return (3 * (la + la + period) + probes * chunks * (la + la + period)) * cand.seq_chunks
 
 
 def first_step_seconds(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int) -> float:
@@ -188,8 +205,9 @@ def first_step_seconds(model: Any, cfg: Any, rows: int, cand: Candidate, optimiz
     mesh = tuple((a, 1 if a == "pp" else n) for a, n in cand.mesh)
     start = time.perf_counter()
     _measure(model, dataclasses.replace(cfg, layers=2 * period, remat=cand.remat), cand.layout, mesh,
-             rows // cand.microbatches * k, cand.precision, k, optimizer)
-    return (time.perf_counter() - start) / (2 * period * k)
+             rows // cand.microbatches * k, cand.precision, k, optimizer,
+             _whole_step(cand, k) if cand.pipelined else None)
+    return (time.perf_counter() - start) / (2 * period * k * cand.seq_chunks)
 
 
 def _work(values: dict[str, Any]) -> Work:
@@ -217,7 +235,9 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
     end and the rest are dropped, so a 1F1B rank of many microbatches is probed with its warm-up and one steady
     step, not all of them; since what a moment holds adds up over its pieces, the cut keeps the rank's peak.
     """
-    s = build(cand.schedule, cand.size("pp"), cand.microbatches, virtual_stages=cand.virtual_stages)
+    s = build(cand.schedule, cand.size("pp"), cand.microbatches, virtual_stages=cand.virtual_stages,
+              seq_chunks=cand.seq_chunks)
+    per_mb = s.seq_chunks  # TeraPipe: actions number units mb·k + c; a probe keeps whole microbatches (every chunk)
     release = "W" if s.split_backward else "B"
     sends = sends_held(s)
     ranks = []
@@ -225,8 +245,8 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
         chunks = {st: k for k, st in enumerate(st for st in range(s.stages) if s.rank_of(st) == rank)}
         computes = [Action(a.kind, chunks[a.stage], a.mb) for a in actions if a.kind in ("F", "B", "W")]
         cut, states = _new_states(computes, release, len(chunks))
-        started = {a.mb for a in computes[:cut + 1]}
-        kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb in started)
+        started = {a.mb // per_mb for a in computes[:cut + 1]}
+        kept = tuple(a for i, a in enumerate(computes) if i <= cut or a.mb // per_mb in started)
         ranks.append(RankProgram(kept, s.rank_of(0) == rank, s.rank_of(s.stages - 1) == rank, sends[rank],
                                  tuple(states)))
     uncovered = [r for r in ranks if not any(_covers(other, r) for other in ranks if other.key != r.key)]
@@ -238,9 +258,9 @@ def rank_programs(cand: Candidate) -> list[tuple[tuple[Schedule, bool, bool], in
     for r in uncovered:
         if r.first or r.last or r is fullest:
             programs.setdefault(r.key, r)
-    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in r.actions),
-                       (program(list(r.actions), s.stages_per_rank),), stages_per_rank=s.stages_per_rank),
-              r.first, r.last), r.sends) for r in programs.values()]
+    return [((Schedule(f"{s.name}_rank", 1, 1 + max(a.mb for a in r.actions) // per_mb,
+                       (program(list(r.actions), s.stages_per_rank),), stages_per_rank=s.stages_per_rank,
+                       seq_chunks=per_mb), r.first, r.last), r.sends) for r in programs.values()]
 
 
 class RankProgram(NamedTuple):
@@ -316,7 +336,10 @@ def _carry_bytes(cfg: Any, rows: int, cand: Candidate) -> Fraction:
     return Fraction(rows // cand.microbatches // data * seq * cfg.dim * width)
 
 
-def _rows(values: dict[str, Any], sends: int, carry: Fraction) -> dict[tuple[str, str], tuple[int, Fraction]]:
+def _rows(values: dict[str, Any], sends: int, carry: Fraction,
+          seq_chunks: int = 1) -> dict[tuple[str, str], tuple[int, Fraction]]:
+    """The comm rows of extrapolated ``values``, with the pipeline's ``sends`` (whole microbatches' carries of
+    ``carry`` bytes each; with ``seq_chunks = k``, ``k`` messages per carry, the same bytes in all)."""
     out: dict[tuple[str, str], tuple[int, Fraction]] = {}
     for k, v in values.items():
         if k.startswith("comm/") and k.endswith("/bytes"):
@@ -325,5 +348,5 @@ def _rows(values: dict[str, Any], sends: int, carry: Fraction) -> dict[tuple[str
             if v or count:
                 out[(kind, axis)] = (round(count), Fraction(v))
     if sends:
-        out[("send", "pp")] = (sends, sends * carry)
+        out[("send", "pp")] = (sends * seq_chunks, sends * carry)
     return out

@@ -120,8 +120,6 @@ def plan(model: Any, cfg: Any, batch_shape: tuple[int, int | None], cluster: Clu
         kth = sorted(r.timing.total for r in exact)[top_k - 1] if len(exact) >= top_k else None
         if (kth is not None and row.timing.total >= kth) or _clock() - exact_start > budget_s:
             break
-        if row.candidate.seq_chunks > 1:  # TeraPipe: the exact probes run whole sequences; it stays an estimate
-            continue
         started, units = _clock(), exacts.work_units(row.candidate, period)
         try:
             if rate is None:  # priced by its own cheapest fake step, which its exact run reuses

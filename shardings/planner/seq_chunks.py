@@ -11,8 +11,9 @@ with them:
 - the counts of per-microbatch ops and of the activations' messages and collectives (on ``pp`` and ``tp``): ``k``
   times as many, each ``1/k`` the size.
 
-The exact runs (:mod:`shardings.planner.exact`) probe whole sequences, so the search keeps a TeraPipe candidate's
-estimate (it is not run exactly).
+The exact runs (:mod:`shardings.planner.exact`) run the chunked schedule itself (the fake steps and each rank's
+peak probe cut every microbatch into the candidate's ``k`` chunks of the plan's sizes), so a TeraPipe candidate's
+measured memory, ops and collectives correct this estimate as any other candidate's do.
 """
 
 from __future__ import annotations

@@ -71,6 +71,10 @@ __all__ = ["DEFAULT_JIT_BACKEND", "DTENSOR_PRESETS", "WARMUP_STEPS", "CompileFal
 
 WARMUP_STEPS = 2  # steps that may compile; from then on a recompile is an error
 DEFAULT_JIT_BACKEND = "inductor"  # train_step(jit=True)'s torch.compile backend when none is named
+# TeraPipe compiles a prefix block's graph per chunk position (the prefix's length): the most it may hold, above
+# torch's recompile limit (8) for that function alone (k chunks per sequence need k graphs; the plan's dynamic program
+# cuts at most GRID = 256 positions, but every graph costs a compile: 64 is far beyond what pays)
+PREFIX_GRAPHS = 64
 # The presets whose compositions compile on the DTensor path (the local path's layouts always do); with pp, each
 # stage runs on the DTensor path of the others.
 DTENSOR_PRESETS = frozenset({"dp", "zero1", "zero2", "zero3", "hsdp", "tp", "sp", "cp", "ep", "pp"})
@@ -97,8 +101,13 @@ def compile_loss(loss_fn: Callable, backend: str) -> Callable:
         compiled = dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))
         if loss_fn.prefix_block is not None:  # TeraPipe's chunks: a graph per chunk position (its prefix's length)
             prefix = _outside_modes(torch.compile(loss_fn.prefix_block, **options))
-            compiled = dataclasses.replace(compiled,
-                                           prefix_block=lambda p, x, i, past: prefix(_resolved(p), x, i, past))
+
+            def prefix_block(p: Any, x: Any, i: int, past: list[Any]) -> Any:
+                # torch's recompile limit (8 graphs per function) raised for this function's graphs only
+                with dynamo_config_patch(recompile_limit=PREFIX_GRAPHS):
+                    return prefix(_resolved(p), x, i, past)
+
+            compiled = dataclasses.replace(compiled, prefix_block=prefix_block)
         return compiled
     whole = _outside_modes(torch.compile(loss_fn, **options))
     return lambda params, batch: whole(_resolved(params), batch)

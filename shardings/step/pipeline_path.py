@@ -45,7 +45,7 @@ import torch
 from core import tree
 from shardings.comm import buckets
 from shardings.ops.module_tp import dtensor_errors
-from shardings.pipeline import Plan, Result, Stages, cut, run
+from shardings.pipeline import Plan, Result, Stages, cut, run, seq_length
 from shardings.residency import gather_buckets
 from shardings.runtime.compat import implicit_replication
 from shardings.spec import lower
@@ -101,8 +101,7 @@ def _chunks(pipe: Plan, mbs: list[Any]) -> list[Any]:
     """TeraPipe: each microbatch cut along its sequence (dim 1) into the plan's chunks, in order."""
     if pipe.seq_chunks == 1:
         return mbs
-    length = next(x.shape[1] for x in tree.leaves(mbs[0]) if isinstance(x, torch.Tensor) and x.ndim > 1)
-    return [c for mb in mbs for c in cut(mb, pipe.chunk_sizes(length))]
+    return [c for mb in mbs for c in cut(mb, pipe.chunk_sizes(seq_length(mb)))]
 
 
 def metrics(pipe: Plan, result: Result) -> dict[str, Any]:
@@ -159,5 +158,6 @@ def _in_stage(ctx: GradContext) -> Stages:
                 return f(*args)
         return call
 
-    prefix = stages.prefix_block and scoped(stages.prefix_block)
-    return Stages(scoped(stages.first), scoped(stages.block), scoped(stages.last), stages.blocks, prefix_block=prefix)
+    prefix, first = (f and scoped(f) for f in (stages.prefix_block, stages.prefix_first))
+    return Stages(scoped(stages.first), scoped(stages.block), scoped(stages.last), stages.blocks, prefix_block=prefix,
+                  prefix_first=first)

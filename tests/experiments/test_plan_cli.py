@@ -167,3 +167,14 @@ def test_a_loss_that_needs_data_is_one_line_naming_the_op(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: dp dp4 fp32: the step cannot run on fake tensors")
     assert "aten.nonzero.default needs the values of a tensor" in err and "Fix: " in err
+
+
+def test_explain_runs_a_terapipe_candidate_exactly(capsys):
+    """``seq_chunks=2`` names a TeraPipe candidate; its explanation is its exact run (the chunked schedule on fake
+    tensors), with its carries as ``k`` messages per microbatch (``seq_chunks_tried=[1,2]`` adds such candidates to a
+    search, where they run exactly as the others do)."""
+    assert plan.main(["model=gpt_tiny", "explain=true", "layout=dp+pp", "mesh=pp2_dp2", "schedule=1f1b",
+                      "microbatches=2", "seq_chunks=2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp+pp pp2_dp2 1f1b m2 k2 fp32" in out and "run on fake tensors" in out
+    assert re.search(r"send +pp +4 ×", out)  # 2 microbatches' carries forward and back, 2 chunks each

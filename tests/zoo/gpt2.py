@@ -57,14 +57,12 @@ def axes(cfg):
             "lnf_g": ("embed",), "lnf_b": ("embed",)}
 
 
-def embed(params, batch):
-    """Tokens plus learned positions: ``batch["positions"]`` where the batch brings them (a chunk of a sequence cut
-    by TeraPipe: its positions start at the chunk's offset), else ``0..s-1``."""
+def embed(params, batch, offset=0):
+    """Tokens plus learned positions ``offset..offset+s-1``: a whole sequence from 0; a chunk of one cut by TeraPipe
+    from its first token's place in the sequence (``Stages.prefix_first``: the executor passes it, so a chunk's
+    batch needs nothing but its tokens and labels)."""
     tokens = constrain(batch["tokens"], ("batch", "seq"))
-    if "positions" in batch:
-        pos = params["wpe"][constrain(batch["positions"], ("batch", "seq"))]  # (b, s, dim)
-    else:
-        pos = params["wpe"][: tokens.shape[1]]
+    pos = params["wpe"][offset: offset + tokens.shape[1]]  # (s, dim)
     return constrain(params["wte"][tokens] + pos, RESIDUAL)  # (b, s, dim)
 
 
@@ -101,7 +99,8 @@ def head_loss(params, x, batch, cfg):
 
 def stages(cfg):
     return Stages(first=embed, block=lambda p, x, i: block(p, x, cfg), last=functools.partial(head_loss, cfg=cfg),
-                  carry_names=lambda x: RESIDUAL, prefix_block=lambda p, x, i, past: prefix_block(p, x, past, cfg))
+                  carry_names=lambda x: RESIDUAL, prefix_block=lambda p, x, i, past: prefix_block(p, x, past, cfg),
+                  prefix_first=embed)
 
 
 def loss(params, batch, cfg):

@@ -95,3 +95,31 @@ def test_zero_bubble_split_of_a_compiled_block_runs_its_backward_once_and_equals
     w = backward_weight(pending, [w1, w2, w3])
     assert len(runs) == 1  # B ran the compiled backward; W re-entered below it with what B computed
     assert all(torch.equal(a, c) for a, c in zip(whole, b + w, strict=True))
+
+
+def test_terapipe_compiles_a_prefix_graph_per_chunk_position_past_torchs_recompile_limit():
+    """TeraPipe under ``jit=True``: the compiled stages' ``prefix_block`` (what each pipeline stage runs) compiles a
+    graph per chunk position, so k = 12 chunks need 12 graphs of one function, past torch's recompile limit (8): it
+    is raised for that function alone (``compiled.PREFIX_GRAPHS``). Hitting a limit is an error here, never a silent
+    eager fallback, and the compiled chunks' loss and gradients equal the whole sequence's eager ones."""
+    from shardings.runtime.compat import dynamo_config_patch
+    from shardings.step.compiled import compile_loss
+
+    cfg = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=12)
+    params = gpt.init(core.random.key(0), cfg)
+    batch, k = gpt.example_batch(cfg, 2), 12
+    graphs = []
+
+    def counting(gm, example_inputs):  # the eager backend, counting the graphs dynamo hands it
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = compile_loss(gpt.stages(cfg), counting)
+    with dynamo_config_patch(fail_on_recompile_limit_hit=True):
+        loss, grads = core.value_and_grad(
+            lambda p: compiled.chunked_loss(p, shardings.pipeline.cut(batch, [1] * k), [1 / k] * k))(params)
+    want, want_grads = core.value_and_grad(gpt.stages(cfg).loss)(params, batch)
+    assert len(graphs) == k
+    assert_close(loss, want)
+    for g, w in zip(tree.leaves(grads), tree.leaves(want_grads)):
+        assert_close(g, w)
