@@ -82,6 +82,9 @@ def _values(m: Measured) -> dict[str, Any]:
     for (kind, axis), (count, nbytes) in m.comm.items():
         out[f"comm/{kind}/{axis}/count"] = count
         out[f"comm/{kind}/{axis}/bytes"] = nbytes
+    for (kind, axis, phase), (count, nbytes) in m.phases.items():
+        out[f"phase/{kind}/{axis}/{phase}/count"] = count
+        out[f"phase/{kind}/{axis}/{phase}/bytes"] = nbytes
     if m.saved is not None:
         out["saved"] = max(m.saved)
     return out
@@ -129,7 +132,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         rank = total = _affine(points, period, cfg.layers, m)
         if m > 2:
             held = _affine({(L, 1): v for (L, k), v in points.items() if k == 2}, period, cfg.layers, 1)
-            rank |= {k: v for k, v in held.items() if k in ("peak", "at_entry") or k.startswith("role/")}
+            rank |= {k: v for k, v in held.items() if k in ("peak", "at_entry", "saved") or k.startswith("role/")}
         blocks = cfg.layers
         sends = (0, 0)
     else:
@@ -151,7 +154,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     carry = _carry_bytes(cfg, rows, cand)
     comm, simulated = _rows(rank, sends[1], carry), _rows(total, sends[0], carry)
     host = float(rank.get("role/host", 0))
-    peak, saved = float(rank["peak"]) - host, None
+    peak, saved = float(rank["peak"]) - host, None if cand.pipelined else rank.get("saved")
     if cand.pipelined and peak_probes:
         # the peak: the fullest rank's, from the probes that run each rank's program (module docstring), and the
         # activations that rank's step saved at once (the schedule's own count)
@@ -165,7 +168,8 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
                                **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
-                               replica=_work(total) if cand.pipelined else None)
+                               replica=_work(total) if cand.pipelined else None,
+                               phases=_phase_rows(rank, cand, carry))
 
 
 def work_units(cand: Candidate, period: int) -> int:
@@ -314,6 +318,23 @@ def _carry_bytes(cfg: Any, rows: int, cand: Candidate) -> Fraction:
     data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
     seq = cfg.seq_len // (cand.size("cp") * (cand.size("tp") if "sp" in layout.presets else 1))
     return Fraction(rows // cand.microbatches // data * seq * cfg.dim * width)
+
+
+def _phase_rows(values: dict[str, Any], cand: Candidate,
+                carry: Fraction) -> dict[tuple[str, str, str], tuple[int, Fraction]]:
+    """The collectives by phase (``phase/kind/axis/phase/count|bytes``), with the busiest rank's carries under ``pp``
+    (:func:`~shardings.planner.estimate.pipeline_send_phases`)."""
+    out: dict[tuple[str, str, str], tuple[int, Fraction]] = {}
+    for k, v in values.items():
+        if k.startswith("phase/") and k.endswith("/bytes"):
+            _, kind, axis, phase, _ = k.split("/")
+            count = values.get(f"phase/{kind}/{axis}/{phase}/count", 0)
+            if v or count:
+                out[(kind, axis, phase)] = (round(count), Fraction(v))
+    if cand.pipelined:
+        sends = estimates.pipeline_send_phases(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
+        out |= {("send", "pp", phase): (n, n * carry) for phase, n in zip(("forward", "backward"), sends) if n}
+    return out
 
 
 def _rows(values: dict[str, Any], sends: int, carry: Fraction) -> dict[tuple[str, str], tuple[int, Fraction]]:
