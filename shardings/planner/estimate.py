@@ -214,6 +214,8 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     buffers = _buffers(leaves, reps, compute, layout, cand, prof, local_rows / m, split)
     if cand.pipelined:  # the reduction's copy, once the schedule's activations are freed
         buffers += max(0.0, _reduction_copy(leaves, reps, DTYPES[cand.precision][1] or compute) - saved)
+    elif m > 1:  # accumulation: a microbatch's gradients (reduce dtype) beside the running sum (the grads role)
+        buffers += _gradients(leaves, reps, DTYPES[cand.precision][1] or compute, "held")
     memory, host = StepMemory(state["params"], state["compute"], state["grads"], state["opt_state"], saved,
                               buffers).off_device(layout.host)
     rows_comm = comm.frozen()
@@ -411,9 +413,10 @@ def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | Non
     return out
 
 
-def _gradients(leaves: model_state.Leaves, reps: float, dtype: torch.dtype | None) -> float:
-    """Bytes of a pipelined rank's unreduced gradients (compute layout) in ``dtype``."""
-    size = lambda leaf: leaf.numel["compute"] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
+def _gradients(leaves: model_state.Leaves, reps: float, dtype: torch.dtype | None, role: str = "compute") -> float:
+    """Bytes of a pipelined rank's unreduced gradients (compute layout) in ``dtype``; ``role="held"``: as the step
+    holds them (``Leaf.numel``)."""
+    size = lambda leaf: leaf.numel[role] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
     return sum(size(leaf) for leaf in leaves.edge) + reps * sum(size(leaf) for leaf in leaves.period)
 
 

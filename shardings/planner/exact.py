@@ -85,8 +85,7 @@ def _values(m: Measured) -> dict[str, Any]:
     for (kind, axis, phase), (count, nbytes) in m.phases.items():
         out[f"phase/{kind}/{axis}/{phase}/count"] = count
         out[f"phase/{kind}/{axis}/{phase}/bytes"] = nbytes
-    if m.saved is not None:
-        out["saved"] = max(m.saved)
+    out["saved"] = max(m.saved)
     return out
 
 
@@ -111,7 +110,7 @@ def _affine(points: dict[tuple[int, int], dict[str, Any]], period: int, blocks: 
 def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int,
           estimated: Prediction, *, peak_probes: bool = True) -> Prediction:
     """The exact :class:`~shardings.planner.prediction.Prediction` of ``cand`` (module docstring); ``estimated``
-    (its quick estimate) splits the measured transient bytes into activations and buffers for the breakdown.
+    (its quick estimate) gives the terms no fake step measures (:func:`~shardings.planner.memory.corrected`).
     ``peak_probes=False`` skips a pipelined candidate's two peak probes (for its comm bytes alone: its peak is then
     the one-stage probes' and not a pipeline rank's).
 
