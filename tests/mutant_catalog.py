@@ -362,8 +362,8 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
     # -- the planner: the estimate term by term, the ranking's scale, the search's budget (issue 43) --------------
     Mutant("estimate-tp-all-reduce-forward-only", "shardings/planner/estimate.py",
-           '            comm.add("all_reduce", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)',
-           '            comm.add("all_reduce", "tp", 2 * blocks * m * residual, 2 * blocks * m, t)',
+           '            for phase, n in (("forward", 2 * per + m), ("backward", 2 * per + m + again)):',
+           '            for phase, n in (("forward", 2 * per + m), ("backward", m + again)):',
            "the estimate counts tensor parallelism's residual all-reduces in forward only (2 a block, not 4)",
            ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
             "exact_step[dp+tp dp2_tp2 fp32]",)),
@@ -392,6 +392,37 @@ MUTANTS: tuple[Mutant, ...] = (
            "an exact run's price does not grow with the blocks it runs on fake tensors",
            ("tests/shardings/planner/test_search.py::test_the_price_of_an_exact_run_grows_with_blocks_times_"
             "microbatches",)),
+    Mutant("estimate-sp-backward-gathers-counted-in-forward", "shardings/planner/estimate.py",
+           '            for phase, gathers, scatters in (("forward", 2 * per + m, 2 * per + m),\n'
+           '                                             ("backward", 2 * per + m + 2 * again, 2 * per + m + again)):',
+           '            for phase, gathers, scatters in (("forward", 4 * per + 2 * m, 2 * per + m),\n'
+           '                                             ("backward", 2 * again, 2 * per + m + again)):',
+           "the estimate counts sequence parallelism's backward all-gathers in forward (none in backward): every "
+           "kind × axis row and the step's total bytes unchanged, only the phases wrong",
+           ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
+            "exact_step[zero1+tp+sp dp2_tp2 accum2 bf16]",)),
+    Mutant("estimate-zero3-regather-counted-in-forward", "shardings/planner/estimate.py",
+           '            gathers = {"forward": gathers_per_step,\n'
+           '                       "backward": gathers_per_step if leaf.in_blocks and not layout.pipelined else 0}',
+           '            gathers = {"forward": gathers_per_step * (2 if leaf.in_blocks and not layout.pipelined else '
+           '1),\n                       "backward": 0}',
+           "the estimate counts ZeRO-3's backward re-gather of each block in forward (the same bytes a step)",
+           ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
+            "exact_step[zero3 dp4 fp32]",)),
+    Mutant("fake-step-no-update-phase", "shardings/planner/fake_step.py",
+           '        phase = "backward" if backward else "forward" if clock < counter.last_backward else "update"',
+           '        phase = "backward" if backward else "forward"',
+           "the fake step counts the collectives after backward (reductions left after it, ZeRO-1/2's gather of the "
+           "updated parameters) as forward's",
+           ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
+            "exact_step[dp+tp dp2_tp2 fp32]",)),
+    Mutant("regather-hides-saved-activations", "shardings/residency/gather_params.py",
+           "            return t if self.outer is None else _Passed(self.outer[0](t), self.outer[1])",
+           "            return t",
+           "a step's ZeRO-3 re-gather hooks hide the activations it saves from the hooks around the step: the "
+           "planner's fake step measures no saved activations without pp",
+           ("tests/shardings/planner/test_estimate_terms.py::test_without_pp_the_step_measures_the_saved_"
+            "activations_the_estimate_counts[dp dp4 fp32]",)),
     # -- the experiments' command lines and the planner on a researcher's model ------------------------------
     Mutant("plan-fake-strided-shard-on-fake-tensors", "shardings/planner/fake_step.py",
            "with mode, _strided_shard_sizes_on_ints():",

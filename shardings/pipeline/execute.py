@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -52,6 +53,7 @@ from shardings.pipeline.schedule import Action, Schedule
 from shardings.pipeline.seq_chunks import seq_length
 from shardings.pipeline.stages import Split, Stages
 from shardings.pipeline.wire import Message, Wire, cached_templates
+from shardings.residency.gather_params import saved_tensors_hooks
 from shardings.runtime.compat import pytree
 from shardings.runtime.simulate import simulated
 
@@ -109,7 +111,7 @@ class SavedActivations:
         self.refs: list[dict[int, int]] = [{} for _ in range(ranks)]
         self.param_ptrs = {_key(st) for x in _tensors(params) for st in storages(x)}
 
-    def hooks(self, rank: int) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self, rank: int) -> contextlib.AbstractContextManager[None]:
         def pack(t: torch.Tensor) -> Any:
             st = next(storages(t), None)  # one rank's piece (simulated ranks hold the same shapes)
             if st is None or _key(st) in self.param_ptrs:
@@ -118,7 +120,8 @@ class SavedActivations:
             # autograd's C++ graph, which gc cannot collect (every zero-bubble step's graph leaked: its B keeps it)
             return _Held(self, rank, st, t.detach())
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t if isinstance(held, _Held) else held)
+        # seen beneath a ZeRO-3 Regather entered inside (a whole step's): gather_params.saved_tensors_hooks
+        return saved_tensors_hooks(pack, lambda held: held.t if isinstance(held, _Held) else held)
 
     def add(self, rank: int, ptr: int, nbytes: int) -> None:
         refs = self.refs[rank]

@@ -7,10 +7,16 @@ thousands of candidates can be ranked before the best few are run on fake tensor
 
 - parameter collectives from each leaf's role transitions, ring bytes as ``shardings.comms()`` counts them:
   ZeRO-3 gathers (forward, and again in backward for the blocks; once per step under ``pp``), gradient
-  reduce-scatters and all-reduces in the reduce dtype, ZeRO-1/2's gather of the updated parameters;
+  reduce-scatters and all-reduces in the reduce dtype (in backward where the step reduces there, else after it),
+  ZeRO-1/2's gather of the updated parameters (the update);
 - activation collectives per block and microbatch from the model's shape (``cfg.dim``, heads, experts): tensor
-  parallelism's 4 all-reduces of the residual stream (sequence parallelism: 4 all-gathers and 4
-  reduce-scatters), ring attention's passes of K/V, the experts' 4 all-to-alls, the pipeline's carries;
+  parallelism's 2 all-reduces of the residual stream in forward and 2 in backward (sequence parallelism: an
+  all-gather and a reduce-scatter in place of each), one more in backward per block under remat (the recomputation
+  stops at the block's last saved tensor: its output's reduction is not run again), the embedding's and the head's;
+  ring attention's passes of K/V, the experts' 4 all-to-alls, the pipeline's carries.
+
+Every collective is counted in the phase it runs in (``Prediction.phases``, the fake step's
+:data:`~shardings.planner.fake_step.PHASES`: forward, backward, update), ``Prediction.comm`` their sum;
 - FLOPs, other ops' bytes, ops and saved activations per row from the model's one-device profile
   (:mod:`shardings.planner.model_profile`), divided by the tensor and context split.
 """
@@ -29,13 +35,14 @@ from shardings.comm.buckets import DEFAULT_BUCKET_MB
 from shardings.pipeline import build
 from shardings.planner import model_state
 from shardings.planner.candidates import Candidate, layout_of
+from shardings.planner.fake_step import PHASES
 from shardings.planner.memory import StepMemory
 from shardings.planner.model_profile import Profile
 from shardings.planner.prediction import Prediction, Work
 from shardings.spec import layouts
 
 __all__ = ["DTYPES", "ESTIMATE_BOUNDS", "ESTIMATE_TESTED", "busiest_blocks", "estimate", "model_state_memory",
-           "pipeline_facts", "pipeline_sends", "stage_blocks"]
+           "pipeline_facts", "pipeline_send_phases", "pipeline_sends", "stage_blocks"]
 
 DTYPES = {n: (m().compute_dtype, m().reduce_dtype) if m else (None, None) for n, m in core.precision.NAMED.items()}
 _BUCKET = int(DEFAULT_BUCKET_MB * 2**20)  # bytes per bucketed collective, the step's default
@@ -88,6 +95,20 @@ def pipeline_sends(schedule: str, pp: int, microbatches: int, virtual_stages: in
     return 2 * len(crossing) * microbatches, max(per_rank) * microbatches
 
 
+@functools.lru_cache(maxsize=1024)
+def pipeline_send_phases(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[int, int]:
+    """The busiest rank's messages per step (:func:`pipeline_sends`' second number) as ``(forward, backward)``:
+    activations sent forward and gradients sent back (of the first such rank)."""
+    s = build(schedule, pp, microbatches, virtual_stages=virtual_stages)
+    per_rank = [[0, 0] for _ in range(pp)]
+    for b in range(s.stages - 1):
+        if s.rank_of(b) != s.rank_of(b + 1):
+            per_rank[s.rank_of(b)][0] += microbatches  # the activation forward
+            per_rank[s.rank_of(b + 1)][1] += microbatches  # its gradient back
+    forward, backward = max(per_rank, key=sum)
+    return forward, backward
+
+
 @functools.lru_cache(maxsize=4096)
 def stage_blocks(layers: int, pp: int, stages: int) -> int:
     """The most blocks one pipeline rank runs: stages split evenly (one more on the first ones), round robin."""
@@ -100,19 +121,31 @@ def _sent(kind: str, n: int, nbytes: float) -> float:
 
 
 class _Comm:
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, str], list[float]] = {}
+    """Collectives by ``(kind, axis, phase)`` (:data:`~shardings.planner.fake_step.PHASES`): count, bytes sent."""
 
-    def add(self, kind: str, axis: str, nbytes: float, count: float = 1.0, n: int | None = None) -> None:
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str, str], list[float]] = {}
+
+    def add(self, kind: str, axis: str, phase: str, nbytes: float, count: float = 1.0, n: int | None = None) -> None:
+        assert phase in PHASES, phase
         sent = nbytes if n is None else _sent(kind, n, nbytes)
         if sent <= 0:
             return
-        row = self.rows.setdefault((kind, axis), [0.0, 0.0])
+        row = self.rows.setdefault((kind, axis, phase), [0.0, 0.0])
         row[0] += count
         row[1] += sent
 
-    def frozen(self) -> dict[tuple[str, str], tuple[int, Fraction]]:
+    def phases(self) -> dict[tuple[str, str, str], tuple[int, Fraction]]:
         return {k: (max(1, round(c)), Fraction(round(b))) for k, (c, b) in self.rows.items()}
+
+    def frozen(self) -> dict[tuple[str, str], tuple[int, Fraction]]:
+        """The rows summed over phases."""
+        out: dict[tuple[str, str], list[float]] = {}
+        for (kind, axis, _), (c, b) in self.rows.items():
+            row = out.setdefault((kind, axis), [0.0, 0.0])
+            row[0] += c
+            row[1] += b
+        return {k: (max(1, round(c)), Fraction(round(b))) for k, (c, b) in out.items()}
 
 
 def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, profiles: dict[Any, Profile],
@@ -152,14 +185,15 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     t, c = cand.size("tp"), cand.size("cp")
     sp = "sp" in layout.presets
     state = _cached_state(model, cfg, cand.layout, stage, cand.precision, blocks, period, optimizer)
+    # the step runs on DTensors (its DTensor path) where the layout splits more than the batch
+    split = t * c
+    dtensor = split > 1 or any(layouts.preset(p).group in ("ep",) for p in layout.presets)
     comm = _Comm()
     comm.rows = {k: list(v) for k, v in _param_rows(model, cfg, cand.layout, cand.mesh, cand.precision, blocks,
-                                                     period, m if not cand.pipelined else 1).items()}
+                                                     period, m if not cand.pipelined else 1, dtensor).items()}
     width = (compute or torch.float32).itemsize
     _activation_comm(comm, cfg, cand, local_rows / m, blocks, width, sp, layout)
     # compute: the profile's per-row numbers, this rank's rows, split over tp (and cp's sequence)
-    split = t * c
-    dtensor = split > 1 or any(layouts.preset(p).group in ("ep",) for p in layout.presets)
 
     def work(n: int, opt_bytes: float) -> Work:  # n blocks' and the edges' compute on local_rows
         ops = (prof.block.ops * n + prof.edge.ops) * m * (1.3 if dtensor else 1.2)
@@ -180,11 +214,14 @@ def estimate(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, p
     buffers = _buffers(leaves, reps, compute, layout, cand, prof, local_rows / m, split)
     if cand.pipelined:  # the reduction's copy, once the schedule's activations are freed
         buffers += max(0.0, _reduction_copy(leaves, reps, DTYPES[cand.precision][1] or compute) - saved)
+    elif m > 1:  # accumulation: a microbatch's gradients (reduce dtype) beside the running sum (the grads role)
+        buffers += _gradients(leaves, reps, DTYPES[cand.precision][1] or compute, "held")
     memory, host = StepMemory(state["params"], state["compute"], state["grads"], state["opt_state"], saved,
                               buffers).off_device(layout.host)
     rows_comm = comm.frozen()
     return Prediction(cand, False, rows_comm, rows_comm, memory._asdict(), host, mine.flops, mine.matmuls, mine.bytes,
-                      mine.moves, mine.ops, bubble, _overlapped(rows_comm, layout, cand), blocks, replica)
+                      mine.moves, mine.ops, bubble, _overlapped(rows_comm, layout, cand), blocks, replica,
+                      comm.phases())
 
 
 def busiest_blocks(cfg: Any, cand: Candidate) -> int:
@@ -218,14 +255,14 @@ def _cached_state(model: Any, cfg: Any, layout: str, stage: tuple[tuple[str, int
 
 @functools.lru_cache(maxsize=65536)
 def _param_rows(model: Any, cfg: Any, layout: str, mesh: tuple[tuple[str, int], ...], precision: str, blocks: int,
-                period: int, gathers_per_step: int) -> dict[tuple[str, str], tuple[float, float]]:
+                period: int, gathers_per_step: int, dtensor: bool) -> dict[tuple[str, str, str], tuple[float, float]]:
     """The parameter collectives' rows (:func:`_param_comm`), one per signature: microbatches only count under
-    ZeRO-3 (its gathers per step), remat and the schedule not at all."""
+    ZeRO-3 (its gathers per step), remat and the schedule not at all; ``dtensor``: the step's DTensor path."""
     compute, reduce = DTYPES[precision]
     stage = tuple((a, n) for a, n in mesh if a != "pp") or (("dp", 1),)
     comm = _Comm()
     _param_comm(comm, model_state.leaves(model, cfg, layout, stage, period), blocks / period, dict(mesh), compute,
-                reduce, gathers_per_step, layout_of(layout))
+                reduce, gathers_per_step, layout_of(layout), dtensor)
     return {k: tuple(v) for k, v in comm.rows.items()}
 
 
@@ -258,7 +295,11 @@ def _state(leaves: model_state.Leaves, reps: float, compute: torch.dtype | None,
 
 def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dict[str, int],
                 compute: torch.dtype | None, reduce: torch.dtype | None, gathers_per_step: int,
-                layout: layouts.Layout) -> None:
+                layout: layouts.Layout, dtensor: bool) -> None:
+    """Each leaf's collectives by phase: ZeRO-3's gathers in forward, a block's again in backward (not under ``pp``:
+    once a step); gradient reductions in backward where the step reduces there (the local path's bucketed hooks,
+    a ZeRO-3 gather's backward, the DTensor path's sharded grads: ``Leaf.in_backward``), else after backward (the
+    update: ``pp`` reduces once after the schedule); the updated parameters' gather in the update."""
     master = model_state.keeps_master(leaves, compute)
     for group, k in ((leaves.edge, 1.0), (leaves.period, reps)):
         for leaf in group:
@@ -266,24 +307,27 @@ def _param_comm(comm: _Comm, leaves: model_state.Leaves, reps: float, sizes: dic
             stored = leaf.numel["params"] * _stored_width(leaf, compute, master)
             grad = (reduce.itemsize if reduce and leaf.floating else leaf.itemsize) * leaf.numel["arrives"]
             full = leaf.numel["compute"] * width
-            times = gathers_per_step * (2 if leaf.in_blocks and not layout.pipelined else 1)  # pp: once a step
+            gathers = {"forward": gathers_per_step,
+                       "backward": gathers_per_step if leaf.in_blocks and not layout.pipelined else 0}
             for a in leaf.gather:
-                comm.add("all_gather", a, k * times * full, k * times * full / _BUCKET, sizes[a])
+                for phase, times in gathers.items():
+                    comm.add("all_gather", a, phase, k * times * full, k * times * full / _BUCKET, sizes[a])
             shard = grad
+            reduced = "backward" if not layout.pipelined and (not dtensor or leaf.in_backward) else "update"
             for a in _reduction_order(leaf, sizes, layout):
-                comm.add("reduce_scatter" if a in leaf.scatter else "all_reduce", a, k * shard, k * shard / _BUCKET,
-                         sizes[a])
+                comm.add("reduce_scatter" if a in leaf.scatter else "all_reduce", a, reduced, k * shard,
+                         k * shard / _BUCKET, sizes[a])
                 shard /= sizes[a] if a in leaf.scatter else 1
             for a in leaf.regather:  # updated shards gathered back in their stored dtype
-                comm.add("all_gather", a, k * stored, k * stored / _BUCKET, sizes[a])
+                comm.add("all_gather", a, "update", k * stored, k * stored / _BUCKET, sizes[a])
             if "opt_state" in layout.host:  # gradient (and param, unless the master is there) blocks, both ways
                 moved = leaf.numel["opt_state"] * leaf.itemsize
                 back = leaf.numel["opt_state"] * _stored_width(leaf, compute, master)
-                comm.add("d2h", "host", k * (moved if master else 2 * moved), k)
-                comm.add("h2d", "host", k * back, k)
+                comm.add("d2h", "host", "update", k * (moved if master else 2 * moved), k)
+                comm.add("h2d", "host", "update", k * back, k)
             if "params" in layout.host:
-                comm.add("h2d", "host", k * stored, k)
-                comm.add("d2h", "host", k * stored, k)
+                comm.add("h2d", "host", "update", k * stored, k)
+                comm.add("d2h", "host", "update", k * stored, k)
 
 
 def _reduction_order(leaf: model_state.Leaf, sizes: dict[str, int], layout: layouts.Layout) -> list[str]:
@@ -297,38 +341,49 @@ def _reduction_order(leaf: model_state.Leaf, sizes: dict[str, int], layout: layo
 
 def _activation_comm(comm: _Comm, cfg: Any, cand: Candidate, rows_mb: float, blocks: int, width: int, sp: bool,
                      layout: layouts.Layout) -> None:
-    """Collectives of activations per step on one rank, from the model's shape (``dim``, heads, experts)."""
+    """Collectives of activations per step on one rank, by phase, from the model's shape (``dim``, heads, experts)."""
     t, c, m = cand.size("tp"), cand.size("cp"), cand.microbatches
     dim = getattr(cfg, "dim", 0)
     tokens = rows_mb * cfg.seq_len / c  # one microbatch's tokens on this rank
     residual = tokens * dim * width
     if t > 1:
-        if sp:
-            comm.add("all_gather", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)
-            comm.add("reduce_scatter", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)
+        # per block and microbatch 2 in forward (attention's and the MLP's output), 2 in backward (their inputs'
+        # gradients), and under remat the recomputation's up to the block's last saved tensor (not its output's);
+        # plus the vocab-parallel edges: the embedding's output in forward, the head's input gradient in backward
+        per, again = blocks * m, (blocks * m if cand.remat else 0)
+        if sp:  # an all-gather (the sequence, into a column-parallel matmul) and a reduce-scatter in place of each
+            for phase, gathers, scatters in (("forward", 2 * per + m, 2 * per + m),
+                                             ("backward", 2 * per + m + 2 * again, 2 * per + m + again)):
+                comm.add("all_gather", "tp", phase, gathers * residual, gathers, t)
+                comm.add("reduce_scatter", "tp", phase, scatters * residual, scatters, t)
         else:
-            comm.add("all_reduce", "tp", 4 * blocks * m * residual, 4 * blocks * m, t)
-        comm.add("all_reduce", "tp", m * (residual + 3 * tokens * 4), 4 * m, t)  # vocab-parallel embedding, loss
-    if c > 1:
+            for phase, n in (("forward", 2 * per + m), ("backward", 2 * per + m + again)):
+                comm.add("all_reduce", "tp", phase, n * residual, n, t)
+        comm.add("all_reduce", "tp", "forward", 3 * m * tokens * 4, 3 * m, t)  # the vocab-parallel loss's scalars
+    if c > 1:  # not on the tested grid (ESTIMATE_TESTED): forward's passes, backward's of K/V and their gradients
         kv = tokens * max(1, getattr(cfg, "n_kv_heads", 1) // t) * getattr(cfg, "d_head", dim) * width * 2
         if "cp_allgather" in layout.presets:
-            comm.add("all_gather", "cp", 2 * blocks * m * kv * c, 2 * blocks * m, c)
-            comm.add("reduce_scatter", "cp", blocks * m * kv * c, blocks * m, c)
+            for phase in ("forward", "backward"):
+                comm.add("all_gather", "cp", phase, blocks * m * kv * c, blocks * m, c)
+            comm.add("reduce_scatter", "cp", "backward", blocks * m * kv * c, blocks * m, c)
         else:
-            comm.add("ppermute", "cp", 3 * (c - 1) * blocks * m * kv, 3 * (c - 1) * blocks * m)
-    if cand.size("ep") > 1 and getattr(cfg, "experts", 0):
+            for phase, n in (("forward", 1), ("backward", 2)):
+                comm.add("ppermute", "cp", phase, n * (c - 1) * blocks * m * kv, n * (c - 1) * blocks * m)
+    if cand.size("ep") > 1 and getattr(cfg, "experts", 0):  # not on the tested grid: dispatch and combine, each way
         n, k, e = cand.size("ep"), getattr(cfg, "top_k", 1), cfg.experts
         factor = getattr(cfg, "capacity_factor", None)
         slots = cfg.seq_len if factor is None else math.ceil(factor * cfg.seq_len * k / e)
         buffer = rows_mb * e * slots * dim * width
         moe = blocks / getattr(cfg, "moe_every", 1)
-        comm.add("all_to_all", "ep", 4 * moe * m * buffer, 4 * moe * m, n)
+        for phase in ("forward", "backward"):
+            comm.add("all_to_all", "ep", phase, 2 * moe * m * buffer, 2 * moe * m, n)
     if t > 1 and cand.size("dp") > 1:  # per microbatch, the loss's per-token values (fp32) over dp, as measured
         n = cand.size("dp")
-        comm.add("reduce_scatter", "dp", m * rows_mb * n * cfg.seq_len * 4, m, n)
-    if cand.pipelined:
-        sends = pipeline_sends(cand.schedule, cand.size("pp"), m, cand.virtual_stages)[1]
-        comm.add("send", "pp", sends * residual / (t if sp else 1), sends)
+        comm.add("reduce_scatter", "dp", "backward", m * rows_mb * n * cfg.seq_len * 4, m, n)
+    if cand.pipelined:  # the busiest rank's carries: activations sent forward, their gradients back
+        for phase, sends in zip(("forward", "backward"),
+                                pipeline_send_phases(cand.schedule, cand.size("pp"), m, cand.virtual_stages)):
+            comm.add("send", "pp", phase, sends * residual / (t if sp else 1), sends)
 
 
 def _saved(prof: Profile, blocks: int, rows_mb: float, t: int, c: int, sp: bool, in_flight: int) -> float:
@@ -358,9 +413,10 @@ def _buffers(leaves: model_state.Leaves, reps: float, compute: torch.dtype | Non
     return out
 
 
-def _gradients(leaves: model_state.Leaves, reps: float, dtype: torch.dtype | None) -> float:
-    """Bytes of a pipelined rank's unreduced gradients (compute layout) in ``dtype``."""
-    size = lambda leaf: leaf.numel["compute"] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
+def _gradients(leaves: model_state.Leaves, reps: float, dtype: torch.dtype | None, role: str = "compute") -> float:
+    """Bytes of a pipelined rank's unreduced gradients (compute layout) in ``dtype``; ``role="held"``: as the step
+    holds them (``Leaf.numel``)."""
+    size = lambda leaf: leaf.numel[role] * (dtype.itemsize if dtype and leaf.floating else leaf.itemsize)
     return sum(size(leaf) for leaf in leaves.edge) + reps * sum(size(leaf) for leaf in leaves.period)
 
 

@@ -96,8 +96,10 @@ def _values(m: Measured) -> dict[str, Any]:
     for (kind, axis), (count, nbytes) in m.comm.items():
         out[f"comm/{kind}/{axis}/count"] = count
         out[f"comm/{kind}/{axis}/bytes"] = nbytes
-    if m.saved is not None:
-        out["saved"] = max(m.saved)
+    for (kind, axis, phase), (count, nbytes) in m.phases.items():
+        out[f"phase/{kind}/{axis}/{phase}/count"] = count
+        out[f"phase/{kind}/{axis}/{phase}/bytes"] = nbytes
+    out["saved"] = max(m.saved)
     return out
 
 
@@ -122,7 +124,7 @@ def _affine(points: dict[tuple[int, int], dict[str, Any]], period: int, blocks: 
 def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, period: int,
           estimated: Prediction, *, peak_probes: bool = True) -> Prediction:
     """The exact :class:`~shardings.planner.prediction.Prediction` of ``cand`` (module docstring); ``estimated``
-    (its quick estimate) splits the measured transient bytes into activations and buffers for the breakdown.
+    (its quick estimate) gives the terms no fake step measures (:func:`~shardings.planner.memory.corrected`).
     ``peak_probes=False`` skips a pipelined candidate's two peak probes (for its comm bytes alone: its peak is then
     the one-stage probes' and not a pipeline rank's).
 
@@ -143,7 +145,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
         rank = total = _affine(points, period, cfg.layers, m)
         if m > 2:
             held = _affine({(L, 1): v for (L, k), v in points.items() if k == 2}, period, cfg.layers, 1)
-            rank |= {k: v for k, v in held.items() if k in ("peak", "at_entry") or k.startswith("role/")}
+            rank |= {k: v for k, v in held.items() if k in ("peak", "at_entry", "saved") or k.startswith("role/")}
         blocks = cfg.layers
         sends = (0, 0)
     else:
@@ -166,7 +168,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     k = cand.seq_chunks
     comm, simulated = _rows(rank, sends[1], carry, k), _rows(total, sends[0], carry, k)
     host = float(rank.get("role/host", 0))
-    peak, saved = float(rank["peak"]) - host, None
+    peak, saved = float(rank["peak"]) - host, None if cand.pipelined else rank.get("saved")
     if cand.pipelined and peak_probes:
         # the peak: the fullest rank's, from the probes that run each rank's program (module docstring), and the
         # activations that rank's step saved at once (the schedule's own count)
@@ -181,7 +183,8 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
     work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
                                **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
-                               replica=_work(total) if cand.pipelined else None)
+                               replica=_work(total) if cand.pipelined else None,
+                               phases=_phase_rows(rank, cand, carry))
 
 
 def work_units(cand: Candidate, period: int) -> int:
@@ -334,6 +337,24 @@ def _carry_bytes(cfg: Any, rows: int, cand: Candidate) -> Fraction:
     data = cand.size("dp") * cand.size("fsdp") * cand.size("ep")
     seq = cfg.seq_len // (cand.size("cp") * (cand.size("tp") if "sp" in layout.presets else 1))
     return Fraction(rows // cand.microbatches // data * seq * cfg.dim * width)
+
+
+def _phase_rows(values: dict[str, Any], cand: Candidate,
+                carry: Fraction) -> dict[tuple[str, str, str], tuple[int, Fraction]]:
+    """The collectives by phase (``phase/kind/axis/phase/count|bytes``), with the busiest rank's carries under ``pp``
+    (:func:`~shardings.planner.estimate.pipeline_send_phases`)."""
+    out: dict[tuple[str, str, str], tuple[int, Fraction]] = {}
+    for k, v in values.items():
+        if k.startswith("phase/") and k.endswith("/bytes"):
+            _, kind, axis, phase, _ = k.split("/")
+            count = values.get(f"phase/{kind}/{axis}/{phase}/count", 0)
+            if v or count:
+                out[(kind, axis, phase)] = (round(count), Fraction(v))
+    if cand.pipelined:
+        sends = estimates.pipeline_send_phases(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
+        out |= {("send", "pp", phase): (n * cand.seq_chunks, n * carry)  # seq_chunks messages per carry, same bytes
+                for phase, n in zip(("forward", "backward"), sends) if n}
+    return out
 
 
 def _rows(values: dict[str, Any], sends: int, carry: Fraction,

@@ -7,9 +7,13 @@ parameters that are never allocated, so a 405B-parameter model's step costs what
 is a shape computation). What it measures:
 
 - the collectives (``shardings.comms()``, the step's own ``metrics["comm"]``): kind × mesh axis, count and
-  bytes sent per rank, the numbers a simulated step of the same layout reports;
+  bytes sent per rank, the numbers a simulated step of the same layout reports; and each by the phase it ran in
+  (:data:`PHASES`: in autograd's backward; else before the step's last backward op, forward; else after it, the
+  update: gradient reductions left after backward, the optimizer, ZeRO-1/2's gather of the updated parameters);
 - the peak bytes of live tensors during the step (:func:`shardings.peak_memory` from the params, the optimizer
-  state and the batch), the per-role bytes of ``metrics["memory"]`` and the activations saved for backward;
+  state and the batch), the per-role bytes of ``metrics["memory"]`` and the most bytes of activations saved for
+  backward at once (:class:`shardings.pipeline.SavedActivations`: with ``pp`` the schedule's own count, else around
+  the step, seen beneath its ZeRO-3 re-gather hooks);
 - the FLOPs of every matmul and attention (``torch.utils.flop_counter``'s formulas; causal attention counts the
   half a causal kernel computes) and the ops dispatched on DTensors and on plain tensors (what eager dispatch
   costs on a CPU).
@@ -38,7 +42,7 @@ import core
 from core import deferred, tree
 from shardings.comm.accounting import comms
 from shardings.comm.peak_memory import peak_memory
-from shardings.pipeline import plan
+from shardings.pipeline import SavedActivations, plan
 from shardings.pipeline.stages import rank_stages
 from shardings.runtime.compat import (
     FakeStore,
@@ -46,6 +50,7 @@ from shardings.runtime.compat import (
     StridedShard,
     TorchDispatchMode,
     compute_local_shape_and_global_offset,
+    current_graph_task_id,
     disable_current_modes,
 )
 from shardings.spec import layouts, lower
@@ -55,7 +60,9 @@ from shardings.spec.rules import is_names
 from shardings.step.initialize import param_specs
 from shardings.step.train_step import train_step
 
-__all__ = ["Measured", "OpCounter", "measure", "rank_zero_of"]
+__all__ = ["PHASES", "Measured", "OpCounter", "measure", "rank_zero_of"]
+
+PHASES = ("forward", "backward", "update")  # where a step's collective runs (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +71,12 @@ class Measured:
 
     Attributes:
         comm: ``(kind, axis) -> (count, bytes sent per rank)``, bytes exact (a ``Fraction``).
+        phases: ``(kind, axis, phase) -> (count, bytes sent per rank)``: ``comm`` by :data:`PHASES`.
         peak: the most bytes of live tensors at once during the step, the entry's included.
         at_entry: bytes live at entry (params, optimizer state, batch).
         roles: ``metrics["memory"]``: bytes per role held after the step.
-        saved: with ``pp``, per pipeline rank the most bytes of activations saved for backward at once; else None.
+        saved: the most bytes of activations saved for backward at once: with ``pp`` per pipeline rank, else
+            one value (this rank's).
         flops: floating-point operations of matmuls and attention, forward and backward, by dtype name.
         matmuls: how many ops those FLOPs are in, by dtype name (their mean size sets their rate).
         bytes: bytes read and written by the other ops (elementwise, reductions, copies, the optimizer's).
@@ -78,10 +87,11 @@ class Measured:
     """
 
     comm: dict[tuple[str, str], tuple[int, Fraction]]
+    phases: dict[tuple[str, str, str], tuple[int, Fraction]]
     peak: int
     at_entry: int
     roles: dict[str, int]
-    saved: list[int] | None
+    saved: list[int]
     flops: dict[str, int]
     matmuls: dict[str, int]
     bytes: int
@@ -127,9 +137,14 @@ class OpCounter(TorchDispatchMode):
         self.bytes = 0
         self.moves = 0  # the ops those bytes are in
         self.ops = {"dtensor": 0, "dtensor_data": 0, "local": 0}
+        self.clock = 0  # ops dispatched so far
+        self.last_backward = 0  # the clock at the last op autograd's backward dispatched
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self.clock += 1
+        if current_graph_task_id() != -1:
+            self.last_backward = self.clock
         out = func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             self.ops["dtensor" if _model_parallel((args, kwargs)) else "dtensor_data"] += 1
@@ -189,6 +204,29 @@ def _fake_params(model: Any, cfg: Any, layout: layouts.Layout, mesh: Mesh, mode:
     for p, names in zip(tree.leaves(params), tree.leaves(axes, is_leaf=is_names)):
         p._logical_names = tuple(names)
     return params, axes
+
+
+@contextlib.contextmanager
+def _by_phase(report: Any, counter: OpCounter) -> Iterator[dict[tuple[str, str, str], tuple[int, Fraction]]]:
+    """``report``'s collectives (a ``comms()`` block's) by phase (:data:`PHASES`), filled when the block ends: each
+    one's place is the ``counter``'s clock when it ran (``counter`` sees every op of the step)."""
+    runs: list[tuple[str, str, Fraction, bool, int]] = []
+    add = report.add
+
+    def add_at(kind: str, axis: str, nbytes: Fraction | int) -> None:
+        add(kind, axis, nbytes)
+        runs.append((kind, axis, Fraction(nbytes), current_graph_task_id() != -1, counter.clock))
+
+    report.add = add_at
+    out: dict[tuple[str, str, str], tuple[int, Fraction]] = {}
+    try:
+        yield out
+    finally:
+        del report.add
+    for kind, axis, nbytes, backward, clock in runs:
+        phase = "backward" if backward else "forward" if clock < counter.last_backward else "update"
+        count, total = out.get((kind, axis, phase), (0, Fraction(0)))
+        out[(kind, axis, phase)] = (count + 1, total + nbytes)
 
 
 @contextlib.contextmanager
@@ -256,13 +294,15 @@ def measure(model: Any, cfg: Any, *, layout: Any, mesh: dict[str, int], batch_ro
                               accum_steps=microbatches or 1, scalar_metrics=False, count_comms=False, donate=True)
             state = step.init(params)
             params = step.stored(params)  # as steps after the first see them (zero1/2 + policy: the compute copy)
-            counter = OpCounter()
-            with peak_memory(roots=(params, state, batch)) as peak, counter, comms() as sent:
+            counter, saved = OpCounter(), SavedActivations(1, params)
+            with (peak_memory(roots=(params, state, batch)) as peak, counter, comms() as sent,
+                  _by_phase(sent, counter) as phases, saved.hooks(0)):
                 _, _, metrics = step(params, state, batch)
         comm = sent.totals()  # the step's own collectives (no scalar metrics: nothing after them), unrounded
         pipe = metrics.get("pipeline")
-        return Measured(comm, peak.peak, peak.at_entry, dict(metrics["memory"]), pipe and pipe["saved_peak"],
-                        dict(counter.flops), dict(counter.matmuls), counter.bytes, counter.moves, dict(counter.ops))
+        return Measured(comm, phases, peak.peak, peak.at_entry, dict(metrics["memory"]),
+                        pipe["saved_peak"] if pipe else saved.peak, dict(counter.flops), dict(counter.matmuls),
+                        counter.bytes, counter.moves, dict(counter.ops))
 
 
 def _bound(loss: Any, cfg: Any) -> Any:

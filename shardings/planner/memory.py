@@ -9,8 +9,9 @@ pipeline carries). One :class:`StepMemory` record carries them:
   leaf's specs);
 - :func:`shardings.planner.exact.exact` corrects the terms of its own candidate (:func:`corrected`): the held roles
   as its fake steps' ``metrics["memory"]`` counts them (:func:`shardings.step.held_memory.roles`), the activations as
-  the step measured them where it does (a pipelined rank's saved-activation peak), and the buffers as the rest of
-  the measured peak. Nothing measured on one candidate scales another's terms.
+  the step measured them (a pipelined rank's saved-activation peak; without ``pp`` the step's, seen beneath ZeRO-3's
+  re-gather hooks), at most what the peak leaves besides the held roles, and the buffers as the rest of the
+  measured peak. Nothing measured on one candidate scales another's terms.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def corrected(estimated: StepMemory, held: dict[str, float], peak: float, activa
         estimated: the candidate's estimate.
         held: its step's ``metrics["memory"]`` (:func:`shardings.step.held_memory.roles`), at the real depth.
         peak: its step's measured device peak (host roles excluded).
-        activations: the saved-activation bytes the step measured at the peak, or ``None`` where it measures none
-            (a step without ``pp``): then the estimate's term, at most what the peak leaves.
+        activations: the most saved-activation bytes the step measured at once (counted at most what the peak
+            leaves besides the held roles: a step's peak may come before its activations' or after them), or
+            ``None`` where none was measured (a pipelined candidate's comm-only run): then the estimate's term.
         host: the roles the layout keeps in host memory (0 on the device).
     """
     host = tuple(host)

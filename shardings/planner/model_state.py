@@ -54,6 +54,8 @@ class Leaf:
         reduce: axes its gradient is all-reduced over (the data axes its optimizer state is replicated on).
         regather: axes its updated storage is all-gathered back over (ZeRO-1/2: stored whole, updated in shards).
         in_blocks: it is a block's parameter (``params["blocks"][i]``): ZeRO-3 re-gathers it in backward.
+        in_backward: the DTensor path reduces its gradient in backward (gathered: its gather's backward; grads role
+            sharded where its storage is not: ``shardings.step.dtensor_path.reduce_in_backward``), not after it.
     """
 
     numel: dict[str, int]
@@ -64,6 +66,7 @@ class Leaf:
     reduce: tuple[str, ...]
     regather: tuple[str, ...]
     in_blocks: bool
+    in_backward: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +155,7 @@ def _leaves(model: Any, cfg: Any, layout: str, sizes: tuple[tuple[str, int], ...
                     tuple(a for a in _axes(s) - _axes(c) if mesh.axis_size(a) > 1), scatter,
                     tuple(a for a in partial if a not in scatter),
                     tuple(a for a in _axes(o) - _axes(s) if a in data) if not gathered else (),
-                    block_index(path) is not None)
+                    block_index(path) is not None, reduce_now or gathered)
         (block if leaf.in_blocks else edge).append(leaf)
         order["period" if leaf.in_blocks else "edge"].append((recipe.dtype, {
             r: lower.to_placements(specs[r][i], mesh, len(shape)) for r in ("params", "opt_state")}))

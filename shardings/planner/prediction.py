@@ -52,6 +52,8 @@ class Prediction:
             a part; the first and the last stage the embedding and the head, not every rank as the busiest
             rank's numbers count them): what ranks sharing few CPU cores compute between them. ``None``: every
             rank does this rank's work.
+        phases: ``(kind, axis, phase) -> (count, bytes sent)``: ``comm`` by the phase each collective runs in
+            (:data:`~shardings.planner.fake_step.PHASES`: forward, backward, update).
     """
 
     candidate: Candidate
@@ -69,6 +71,7 @@ class Prediction:
     overlapped: frozenset[tuple[str, str]]
     blocks: int
     replica: Work | None = None
+    phases: dict[tuple[str, str, str], tuple[int, Fraction]] = dataclasses.field(default_factory=dict)
 
     @property
     def peak(self) -> float:

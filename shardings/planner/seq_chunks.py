@@ -49,5 +49,5 @@ def estimate(whole: Callable[..., Any], model: Any, cfg: Any, rows: int, cand: C
     return dataclasses.replace(
         base, candidate=cand, bubble=chunked.bubble(), memory=base.memory | {"activations": base.memory[
             "activations"] * held}, comm=counts(base.comm), simulated=counts(base.simulated),
-        ops={kind: n * k for kind, n in base.ops.items()}, matmuls={d: n * k for d, n in base.matmuls.items()},
-        moves=base.moves * k)
+        phases=counts(base.phases), ops={kind: n * k for kind, n in base.ops.items()},
+        matmuls={d: n * k for d, n in base.matmuls.items()}, moves=base.moves * k)

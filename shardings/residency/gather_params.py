@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Regather", "regather_in_backward", "to_compute"]
+__all__ = ["Regather", "regather_in_backward", "saved_tensors_hooks", "to_compute"]
 
 
 class _Bucket:
@@ -62,10 +62,21 @@ class _Handle:
         return DTensor.from_local(local, full.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+class _Passed:
+    """A tensor a :class:`Regather` saves as it is, packed by the hooks it was entered under
+    (:func:`saved_tensors_hooks`)."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]):
+        self.packed, self.unpack = packed, unpack
+
+
 class Regather:
     """One step's gathered buckets, saved by autograd as re-gather handles (module docstring)."""
 
     def __init__(self) -> None:
+        self.outer: tuple[Callable, Callable] | None = None  # the saved_tensors_hooks entered around saving()
         self.buckets: list[_Bucket] = []
         # id(gathered tensor) -> (ref, bucket, pos, whether it is a gathered DTensor's local block)
         self.tensors: dict[int, tuple[weakref.ref, int, int, bool]] = {}
@@ -96,13 +107,15 @@ class Regather:
         base = t._base if t._base is not None else t
         hit = self.tensors.get(id(base))
         if hit is None or hit[0]() is not base:
-            return t
+            return t if self.outer is None else _Passed(self.outer[0](t), self.outer[1])
         if hit[1] not in self.order:
             self.order.insert(0, hit[1])
         return _Handle(hit[1], hit[2], t, local=hit[3])
 
     @torch.compiler.disable
     def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Passed):
+            return saved.unpack(saved.packed)
         return saved.rebuild(self.gathered(saved.bucket)[saved.pos]) if isinstance(saved, _Handle) else saved
 
     @torch.compiler.disable
@@ -128,6 +141,7 @@ class Regather:
     def saving(self) -> Iterator[Regather]:
         """Within this context, autograd saves this object's gathered tensors as re-gather handles."""
         _ACTIVE.append(self)
+        self.outer = _OUTER[-1] if _OUTER else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield self
@@ -136,6 +150,21 @@ class Regather:
 
 
 _ACTIVE: list[Regather] = []
+_OUTER: list[tuple[Callable, Callable]] = []  # the saved_tensors_hooks entered, innermost last
+
+
+@contextlib.contextmanager
+def saved_tensors_hooks(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> Iterator[None]:
+    """``torch.autograd.graph.saved_tensors_hooks(pack, unpack)`` that also sees, beneath a :class:`Regather` entered
+    inside it, every tensor the Regather saves as it is (the activations; its gathered parameters stay handles).
+    Autograd applies only the innermost hooks: without this, a step's own Regather (every local and DTensor step has
+    one) hides its saved activations from hooks around the step (``shardings.pipeline.SavedActivations``)."""
+    _OUTER.append((pack, unpack))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _OUTER.pop()
 
 
 def active() -> Regather | None:
