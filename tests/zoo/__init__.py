@@ -63,8 +63,6 @@ class Declared:
 _BYTES = ("experiments.train feeds packed byte text (tokens and next-token labels of vocab 256, data.py); "
           "a model of other inputs trains through the API (shardings.train_step), as its other columns do")
 
-_ONE_HOT = ("under jit=True, F.one_hot (the router's count of chosen experts) asserts its indices in range "
-            "(aten._assert_async), which DTensor has no sharding strategy for once compiled; eager runs it")
 _UNBACKED = ("under jit=True, zero3 composed with tp on these models' DTensor path fails to compile "
              "(dynamo's PendingUnbackedSymbolNotFound); eager runs it, and models.gpt, the encoder (projections "
              "through shardings.einsum) and gated_conv (2-D weights, @) compile it, where these project q/k/v/o with "
@@ -77,8 +75,6 @@ DECLARED: dict[tuple[str, str, str], Declared] = {
                                         "of 64 gets byte ids up to 255: " + _BYTES),
     ("vit", "*", "train"): Declared(AttributeError, "has no attribute 'seq_len'", "an image model has no "
                                     "sequence length for the text pipeline: " + _BYTES),
-    **{("moe_top2", f, "jit"): Declared(LaunchError, "aten._assert_async", _ONE_HOT)
-       for f in ("tp+sp", "cp", "ep", "dp+pp")},
     **{(m, f, "jit"): Declared(LaunchError, "PendingUnbackedSymbolNotFound", _UNBACKED)
        for m in ("llama_gqa", "gpt2", "vit", "moe_top2") for f in ("zero3+tp+sp", "zero3+tp+pp")},
 }
