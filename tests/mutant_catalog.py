@@ -607,6 +607,25 @@ MUTANTS: tuple[Mutant, ...] = (
            "a compiled prefix block keeps torch's recompile limit: past 8 chunks per sequence jit fails (or runs eager)",
            ("tests/shardings/step/test_jit_pipeline.py::"
             "test_terapipe_compiles_a_prefix_graph_per_chunk_position_past_torchs_recompile_limit",)),
+    # -- ops DTensor could not trace under jit=True (issue #40's declared compile failures) -------------------
+    Mutant("jit-assert-async-no-strategy", "shardings/ops/assert_strategies.py",
+           "for _op in ASSERT_OPS:",
+           "for _op in ():",
+           "aten._assert_async has no DTensor strategy: F.one_hot fails to compile on DTensors (moe_top2 under jit)",
+           ("tests/shardings/ops/test_assert_strategies.py",
+            "tests/shardings/step/test_jit_traced_ops.py")),
+    Mutant("assert-async-checks-partial-shares", "shardings/ops/assert_strategies.py",
+           "Replicate() if p.is_partial() else p for p",
+           "p for p",
+           "a Partial DTensor is checked on each rank's share, not on the value it stands for",
+           ("tests/shardings/ops/test_assert_strategies.py::"
+            "test_a_partial_dtensor_is_checked_on_its_sum_not_on_each_ranks_share",)),
+    Mutant("jit-strided-shard-offsets-traced", "shardings/runtime/compat.py",
+           "size, _ = placement.local_shard_size_and_offset(*args, offset_mode=_NO_OFFSETS)",
+           "size, _ = placement.local_shard_size_and_offset(*args)",
+           "pricing a _StridedShard's redistribution computes its offsets: unbacked SymInts under dynamo, and "
+           "torch.einsum over 3-D weights on a 2-D mesh fails to compile (PendingUnbackedSymbolNotFound)",
+           ("tests/shardings/step/test_jit_traced_ops.py",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

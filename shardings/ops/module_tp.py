@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from shardings.ops import sdpa_strategies  # noqa: F401  (registers the CPU attention strategies)
+from shardings.ops import assert_strategies, sdpa_strategies  # noqa: F401  (register DTensor strategies)
 from shardings.residency.lazy_params import resolve
 from shardings.spec.context import current
 from shardings.spec.distribute import spec_of

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without data:
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache as clear_sharding_prop_cache
@@ -52,6 +52,7 @@ __all__ = [
     "LocalTensor",
     "LocalTensorMode",
     "OpSchema",
+    "OpSpec",
     "OpStrategy",
     "RuntimeSchemaInfo",
     "SimulationUnavailable",
@@ -349,3 +350,44 @@ def python_mode_stack() -> list[Any]:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return _get_current_dispatch_mode_stack()
+
+
+# -- DTensor's redistribution planner on a _StridedShard, traced (torch 2.13) ---------------------------------------
+# A flattened dim whose inner part is split (``torch.einsum``'s decomposition flattens ``(h, d)`` as ``(d, h)``:
+# ``"bshd,hde->bse"`` with heads split on tp) is a ``_StridedShard``. On a mesh of 2+ dims, pricing a redistribution
+# of it (the sharding strategy's costs: every candidate is priced) asks ``get_logical_shape`` for its local size,
+# which torch 2.13 computes with the default ``offset_mode=FIRST``: the offsets' ``.tolist()`` on the fake tensors
+# dynamo traces with makes an unbacked SymInt per element, found in no output, and dynamo refused the whole op
+# (``PendingUnbackedSymbolNotFound``: zoo models under zero3+tp+sp with jit=True). The planner uses the size only;
+# this is torch's own method asking for no offsets (``_StridedShardOffsetMode.NONE``, which exists for exactly this).
+
+_redistribute = importlib.import_module("torch.distributed.tensor._redistribute")
+_placement_types = importlib.import_module("torch.distributed.tensor.placement_types")
+_PLANNER = getattr(_redistribute, "DTensorRedistributePlanner", None)
+_NO_OFFSETS = getattr(getattr(_placement_types, "_StridedShardOffsetMode", None), "NONE", None)
+TORCH_LOGICAL_SHAPE = getattr(_PLANNER, "get_logical_shape", None)  # torch's method, before the one below
+
+
+def logical_shape_without_offsets(self: Any, src_state: Any, mesh_dim: int, full_tensor_shape: tuple[int, ...]) -> list:
+    """``DTensorRedistributePlanner.get_logical_shape``: the tensor's shape as mesh dim ``mesh_dim`` sees it, every
+    other mesh dim's split applied (torch 2.13's, with no offsets computed for a ``_StridedShard``)."""
+    shape: list = list(full_tensor_shape)
+    for entry in src_state.tensor_dim_to_mesh_dim:
+        for mdim in entry.mesh_dims:
+            if mdim == mesh_dim:
+                continue
+            placement = src_state.placements[mdim]
+            args = (shape[entry.tensor_dim], self.device_mesh.size(mesh_dim=mdim),
+                    self.device_mesh._sym_get_coordinate(mdim))
+            if isinstance(placement, StridedShard):
+                size, _ = placement.local_shard_size_and_offset(*args, offset_mode=_NO_OFFSETS)
+            elif isinstance(placement, _placement_types.Shard):
+                size, _ = placement.local_shard_size_and_offset(*args)
+            else:
+                raise ValueError(f"Unsupported placement type: {placement}")
+            shape[entry.tensor_dim] = size
+    return shape
+
+
+if TORCH_LOGICAL_SHAPE is not None and _NO_OFFSETS is not None:  # else this torch has neither the method nor the bug
+    _PLANNER.get_logical_shape = logical_shape_without_offsets
