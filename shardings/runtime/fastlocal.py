@@ -11,6 +11,24 @@ call of every op, random or not (143,199 ``get_state`` calls). This loop does th
   ``nondeterministic_seeded``, or not an ``OpOverload`` at all); any other op leaves the generators as they
   are, so the state torch would restore is the state they already hold.
 
+**Equal ranks computed once.** Every op still ran once per simulated rank, most of it Python. But an aten op
+(not a random one) is a pure function of its arguments, so ranks whose arguments are the *same objects* (each
+``LocalTensor``'s rank tensor the same tensor, each rank-dependent int equal) get one call, and its result is that
+one tensor on all of them (:func:`_groups`). Sharing propagates: pipeline stages that every ``pp`` coordinate runs,
+replicated parameters, activations after a gather. It starts at factories (``zeros``: one tensor for every rank) and
+at collectives, whose equal results (the same bits) are merged (:func:`_merge_equal`). Writes stay exact:
+
+* before an op writes a ``LocalTensor`` whose classes of ranks are split by the op's other arguments (a shared
+  ``zeros`` accumulator, each rank adding its own gradient), each class gets its own copy of the tensor
+  (:func:`_unshare`); a copy is made only of a tensor nothing else views (storage use count, reference count),
+  else the op raises (never a silent wrong value); the in-place collectives give each rank its own output first;
+* an op that writes a plain tensor, a random op, and every op while another Python dispatch mode sees the ops
+  (a memory counter counts each storage once: sharing would change its sums) run once per rank, as before.
+
+``SHARDLAB_SIMULATE_SHARE=0`` turns the sharing off (the loop above stays). Metadata queries (``sym_stride``,
+``sym_storage_offset``, ``sym_numel``: most dispatched ops) are read off each distinct tensor without dispatch.
+:data:`CALLS` counts ops and rank calls (a measure of the work that does not depend on the machine's load).
+
 Everything else (in-place ops, split's padding, aliasing, combining the ranks' results) is torch's own code,
 called as torch calls it. :func:`installed` puts the loop in place for the body of :func:`shardings.simulate`
 and restores torch's on exit; ``SHARDLAB_SIMULATE_FAST=0`` keeps torch's (the A/B switch of the bench).
@@ -35,12 +53,13 @@ from shardings.runtime.compat import (
     storage_use_count,
 )
 
-__all__ = ["installed", "rank_map"]
+__all__ = ["CALLS", "installed", "rank_map"]
 
 _lt = local_tensor_internals()
 _SEEDED = torch.Tag.nondeterministic_seeded
 _random_cache: dict[Any, bool] = {}
 _writes_cache: dict[Any, tuple[tuple[int, str], ...]] = {}
+CALLS = collections.Counter()  # "rank_ops": ops x ranks through the loop, "calls": the calls it made for them
 _SHARE = [True]  # SHARDLAB_SIMULATE_SHARE=0: every rank computes its own values (installed() sets it)
 
 
@@ -203,6 +222,8 @@ def _run(func: Any, ranks: frozenset[int], args: Sequence[Any], kwargs: dict[str
             if type(w) is _lt.LocalTensor:
                 _unshare(func, w._local_tensors, groups)
     flat_rank_rets = _call(func, groups, args, kwargs, random)
+    CALLS["rank_ops"] += len(flat_rank_rets)
+    CALLS["calls"] += len(groups)
     if _lt._is_inplace_op(func):
         ret = args[0]
         if isinstance(func, _lt.OpOverload) and torch.Tag.inplace_view in func.tags:

@@ -47,7 +47,9 @@ def _sharing_program():
     acc.mul_(2.0)  # each rank's own copy, written once
     full = shardings.reshard(shardings.shard(torch.arange(8.0), P("tp"), mesh), P()).to_local()  # all-gather
     y = (full * 3 - 1).exp()  # one value on every rank again
-    out = [acc, w, full, y]
+    half = shardings.reshard(shardings.shard(torch.arange(8.0), P(("dp", "tp")), mesh), P("dp")).to_local()
+    z = half.sin()  # gathered over tp: the same within a dp group, not across them
+    out = [acc, w, full, y, z]
     return [shardings.per_rank(t) for t in out], [len({id(v) for v in t._local_tensors.values()}) for t in out]
 
 
@@ -60,8 +62,8 @@ def test_equal_ranks_are_computed_once_and_give_torchs_values(monkeypatch):
         alone, alone_distinct = _sharing_program()
     for a, b in zip(shared, alone, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
-    assert alone_distinct == [4, 4, 4, 4]  # torch's loop: one tensor per rank
-    assert distinct == [4, 1, 1, 1]  # the per-rank accumulator is each rank's own; the replicated values one tensor
+    assert alone_distinct == [4, 4, 4, 4, 4]  # torch's loop: one tensor per rank
+    assert distinct == [4, 1, 1, 1, 2]  # the per-rank accumulator each rank's own, replicated values one tensor
     assert len({float(v.sum()) for v in shared[0]}) == 4  # ... and the accumulators really differ
 
 
