@@ -529,8 +529,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "different values share one of them",
            ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
     Mutant("fastlocal-write-without-copy", "shardings/runtime/fastlocal.py",
-           "        for r in members:\n            local[r] = c\n",
-           "",
+           "                _rebind(local, members, _shared_copy(t))\n                continue",
+           "                continue",
            "a shared tensor is written class by class without a copy: every rank sharing it sees the others' writes",
            ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
 )

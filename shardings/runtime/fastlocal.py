@@ -20,8 +20,9 @@ at collectives, whose equal results (the same bits) are merged (:func:`_merge_eq
 
 * before an op writes a ``LocalTensor`` whose classes of ranks are split by the op's other arguments (a shared
   ``zeros`` accumulator, each rank adding its own gradient), each class gets its own copy of the tensor
-  (:func:`_unshare`); a copy is made only of a tensor nothing else views (storage use count, reference count),
-  else the op raises (never a silent wrong value); the in-place collectives give each rank its own output first;
+  (:func:`_unshare`); a tensor that something else views (storage use count, reference count) is written on
+  copies and then once into itself when all classes computed the same bits, else the op raises (never a silent
+  wrong value); the in-place collectives give each rank its own output first;
 * an op that writes a plain tensor, a random op, and every op while another Python dispatch mode sees the ops
   (a memory counter counts each storage once: sharing would change its sums) run once per rank, as before.
 
@@ -160,12 +161,14 @@ def _shared_copy(t: torch.Tensor) -> torch.Tensor:
         t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
 
 
-def _unshare(func: Any, local: dict[int, torch.Tensor], groups: list[list[int]]) -> None:
+def _unshare(func: Any, local: dict[int, torch.Tensor], groups: list[list[int]], pending: list) -> None:
     """Copy-on-write: before ``func`` writes ``local`` (one LocalTensor's tensors) class by class, give each class
-    its own tensor where classes share one. Only a tensor nothing else views can be copied (a view of it would
-    miss the write): anything else is an error, never a silent wrong value."""
+    its own tensor where classes share one. A tensor nothing else views is simply copied. One that is viewed (a
+    copy would hide the write from its views) is written on copies too, listed in ``pending``: :func:`_settle`
+    writes the result back into it when every class computed the same bits, and raises otherwise."""
     owner: dict[int, int] = {}  # id(tensor) -> class index
     storage: dict[int, int] = {}  # storage address -> id(tensor)
+    viewed: dict[int, list] = {}  # id(tensor) -> its pending entry
     for i, members in enumerate(groups):
         t = local[members[0]]
         first = owner.setdefault(id(t), i)
@@ -173,13 +176,36 @@ def _unshare(func: Any, local: dict[int, torch.Tensor], groups: list[list[int]])
             if t.untyped_storage().nbytes() and storage.setdefault(t.untyped_storage().data_ptr(), id(t)) != id(t):
                 raise _conflict(func, "two views of one storage")
             continue
-        holders = sum(v is t for v in local.values())
-        if storage_use_count(t) != 2 or sys.getrefcount(t) != holders + 2:  # held here once, by getrefcount once
-            raise _conflict(func, "a tensor that other tensors view")
-        c = _shared_copy(t)
-        for r in members:
-            local[r] = c
-        owner[id(c)] = i
+        entry = viewed.get(id(t))
+        if entry is None:
+            holders = sum(v is t for v in local.values())
+            if storage_use_count(t) == 2 and sys.getrefcount(t) == holders + 2:  # + t here, + getrefcount's
+                _rebind(local, members, _shared_copy(t))
+                continue
+            entry = viewed[id(t)] = [local, t, [groups[first]]]
+            pending.append(entry)
+            _rebind(local, groups[first], _shared_copy(t))
+        entry[2].append(members)
+        _rebind(local, members, _shared_copy(t))
+
+
+def _rebind(local: dict[int, torch.Tensor], members: list[int], t: torch.Tensor) -> None:
+    for r in members:
+        local[r] = t
+
+
+def _settle(func: Any, pending: list) -> None:
+    """Each viewed tensor that :func:`_unshare` had written on copies: the classes' copies hold the same bits
+    (the same inputs), so it is written once, and its ranks hold it again; else an error (nothing written to it)."""
+    for local, t, classes in pending:
+        copies = [local[members[0]] for members in classes]
+        same = copies[0].size() == t.size() and copies[0].stride() == t.stride() \
+            and all(_same_bits(copies[0], c) for c in copies[1:])
+        for members in classes:
+            _rebind(local, members, t)
+        if not same:
+            raise _conflict(func, "different values into a tensor that other tensors view")
+        t.copy_(copies[0])
 
 
 def _conflict(func: Any, what: str) -> RuntimeError:
@@ -217,11 +243,13 @@ def _run(func: Any, ranks: frozenset[int], args: Sequence[Any], kwargs: dict[str
         groups = [[r] for r in sorted(ranks)]  # a plain tensor written: once per rank, as torch does
     else:
         groups = _groups(ranks, args, kwargs)
+    pending: list = []
     if len(groups) > 1:
         for w in written:
             if type(w) is _lt.LocalTensor:
-                _unshare(func, w._local_tensors, groups)
+                _unshare(func, w._local_tensors, groups, pending)
     flat_rank_rets = _call(func, groups, args, kwargs, random)
+    _settle(func, pending)
     CALLS["rank_ops"] += len(flat_rank_rets)
     CALLS["calls"] += len(groups)
     if _lt._is_inplace_op(func):
@@ -309,9 +337,11 @@ def _collective(fn: Any, *, writes_first: bool) -> Any:
             return fn(*args, **kwargs)
         outs = [t for t in (args[0] if isinstance(args[0], (list, tuple)) else (args[0],))
                 if isinstance(t, _lt.LocalTensor)] if writes_first else []
+        pending: list = []
         for t in outs:
-            _unshare(fn, t._local_tensors, [[r] for r in t._local_tensors])
+            _unshare(fn, t._local_tensors, [[r] for r in t._local_tensors], pending)
         ret = fn(*args, **kwargs)
+        _settle(fn, pending)
         for t in outs if writes_first else (ret,):
             _merge_equal(t._local_tensors)
         return ret

@@ -67,12 +67,26 @@ def test_equal_ranks_are_computed_once_and_give_torchs_values(monkeypatch):
     assert len({float(v.sum()) for v in shared[0]}) == 4  # ... and the accumulators really differ
 
 
-def test_a_write_to_a_shared_tensor_that_something_views_is_refused(monkeypatch):
+def test_a_viewed_shared_tensor_is_written_once_when_every_rank_writes_the_same(monkeypatch):
+    monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1")
+    with shardings.simulate(2):
+        mesh = Mesh(dp=2)
+        x = shardings.shard(torch.arange(2.0), P("dp"), mesh).to_local()  # differs per rank
+        same = (x * 0).expand(2) + torch.arange(2.0)  # equal values, one tensor per rank
+        assert len({id(v) for v in same._local_tensors.values()}) == 2
+        buf = torch.zeros(2)  # one tensor for both ranks
+        view = buf[1:]  # a view of it: a copy of buf would not be seen through it
+        buf.add_(same)
+        assert [v.tolist() for v in shardings.per_rank(view)] == [[1.0], [1.0]]
+        assert [v.tolist() for v in shardings.per_rank(buf)] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_a_write_of_different_values_to_a_viewed_shared_tensor_is_refused(monkeypatch):
     monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1")
     with shardings.simulate(2):
         x = shardings.shard(torch.arange(2.0), P("dp"), Mesh(dp=2)).to_local()  # 0. on rank 0, 1. on rank 1
         buf = torch.zeros(2)  # one tensor for both ranks
-        view = buf[:1]  # a view of it (both ranks): a copy of buf would not be seen through it
+        view = buf[:1]  # a view of it: a copy of buf would not be seen through it
         with pytest.raises(RuntimeError, match="SHARDLAB_SIMULATE_SHARE=0"):
             buf.add_(x.expand(2))
         assert all(torch.equal(v, torch.zeros(1)) for v in shardings.per_rank(view))  # nothing written
