@@ -12,21 +12,29 @@
   ``runtime=simulate`` (4 ranks in this process) and once on 4 real gloo processes (``runtime=multiprocess``),
   in this run: each run's tokens/s (after its first step) and simulated / real.
 
+* **--ab** — per world, the same check three times in this run: torch's per-rank loop
+  (``SHARDLAB_SIMULATE_FAST=0``), shardlab's loop computing every rank (``SHARDLAB_SIMULATE_SHARE=0``) and with equal
+  ranks computed once (the default): CPU seconds of each, ``speedup`` (torch's / the default's) and
+  ``calls_per_rank_op`` (the per-rank calls made per op and rank, from ``fastlocal.CALLS``: 1.0 without sharing, and
+  a count that no machine load changes).
+
 Wall-clock numbers: on a loaded machine compare runs made at the same time, not across days.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from typing import Any
 
 import models.gpt as gpt
 from shardings import Mesh
+from shardings.runtime import fastlocal
 from shardings.testing import check_equivalence
 
-__all__ = ["MESHES", "equivalence_row", "main", "train_row"]
+__all__ = ["MESHES", "ab_row", "equivalence_row", "main", "train_row"]
 
 # world -> (dp, pp, tp)
 MESHES = {4: (1, 2, 2), 8: (2, 2, 2), 16: (4, 2, 2), 64: (4, 4, 4), 128: (8, 4, 4)}
@@ -46,6 +54,34 @@ def equivalence_row(world: int) -> dict[str, Any]:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"world": world, "mesh": f"dp{dp} x pp{pp} x tp{tp}", "seconds": round(seconds, 1),
             "cpu_seconds": round(cpu, 1), "equal": "yes" if report.ok else "NO"}
+
+
+VARIANTS = {"torch": {"SHARDLAB_SIMULATE_FAST": "0"}, "every_rank": {"SHARDLAB_SIMULATE_SHARE": "0"},
+            "shared": {}}  # name -> the environment of that run (the default: equal ranks computed once)
+
+
+def ab_row(world: int) -> dict[str, Any]:
+    """The check at ``world`` under each of :data:`VARIANTS`, in this run: CPU seconds, speed-up, calls per rank-op."""
+    row: dict[str, Any] = {"world": world, "mesh": "dp{} x pp{} x tp{}".format(*MESHES[world])}
+    saved = {k: os.environ.get(k) for k in ("SHARDLAB_SIMULATE_FAST", "SHARDLAB_SIMULATE_SHARE")}
+    try:
+        for name, env in VARIANTS.items():
+            for k in saved:
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            fastlocal.CALLS.clear()
+            one = equivalence_row(world)
+            row[f"{name}_cpu_s"] = one["cpu_seconds"]
+            row["equal"] = "yes" if row.get("equal", "yes") == "yes" and one["equal"] == "yes" else "NO"
+            if name == "shared":
+                row["calls_per_rank_op"] = round(fastlocal.CALLS["calls"] / max(fastlocal.CALLS["rank_ops"], 1), 3)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+    row["speedup"] = round(row["torch_cpu_s"] / row["shared_cpu_s"], 2)
+    return row
 
 
 def _tokens_per_s(runtime: str, steps: int) -> float:
@@ -86,11 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="train steps per runtime (the first one is not timed)")
     ap.add_argument("--no-train", action="store_true", help="skip the simulated/real tokens/s comparison")
     ap.add_argument("--csv", default=None, help="also write the equivalence table here")
+    ap.add_argument("--ab", action="store_true", help="each world under torch's loop, every rank, shared (CPU s)")
     args = ap.parse_args(argv)
     rows = []
     for world in args.worlds:
-        rows.append(equivalence_row(world))
-        print(f"world {world}: {rows[-1]['seconds']} s, equal {rows[-1]['equal']}", flush=True)
+        rows.append(ab_row(world) if args.ab else equivalence_row(world))
+        print(f"world {world}: {rows[-1]}", flush=True)
     if rows:
         print("\ncheck_equivalence, zero3+tp+sp+pp (1F1B, 1 AdamW step, accumulation 2*pp), simulated ranks:")
         _print_table(rows)
