@@ -10,8 +10,8 @@ rows under 1 KiB aside: the loss's scalars), but ZeRO-3's backward re-gathers un
 sends 1 per phase; saved activations as the step measures them (a pipelined rank's peak; without pp the whole step's,
 seen beneath ZeRO-3's re-gather hooks) 0.73-1.19 of the estimate's term, and the memory model's activations term
 at the peak (corrected by the exact run: what the peak leaves, where grads and the optimizer's transients come
-after the activations are freed) 0.52-1.19; activations + buffers 0.46-1.98 (zero1+tp+sp accum2: the estimate has
-no accumulation buffer); step time 1.07-1.85; peak 0.54-1.26.
+after the activations are freed) 0.52-1.19; activations + buffers 0.52-1.04 (accumulation's buffer now counted: was
+1.98); step time 1.07-1.87; peak 0.76-1.02.
 """
 
 import dataclasses
@@ -58,11 +58,13 @@ COMM_BOUNDS = dict.fromkeys(_TERMS, (1.0, 1.0))
 # checkpoint keeps the cast copies gathered in forward): what the step should do there is not settled
 REMAT_BOUNDS = {("all_gather", "data", "backward"): (0.0, 2.0)}
 SLACK = 1024
-TRANSIENT = (0.4, 2.1)  # activations + buffers
+TRANSIENT = (0.5, 1.1)  # activations + buffers
 # the saved activations the step measures (a pipelined rank's without remat; every step without pp) against the
 # estimate's term: the one-device profile's saved tensors, split over tp/cp, are an upper bound but for ZeRO-3 +
 # remat + bf16 (1.19: the checkpoint's cast weights)
 ACTIVATIONS = (0.7, 1.25)
+# a pipelined rank's (without remat), which the schedule counts: the profile's saved tensors are an upper bound
+ACTIVATIONS_PP = (0.7, 1.0)
 # the memory model's activations term as an exact run corrects it (at most what the peak leaves besides the held
 # roles: dp's peak is at the end of forward, before any gradient, so half its saved bytes show as this term)
 ACTIVATIONS_AT_PEAK = (0.5, 1.25)
@@ -92,7 +94,7 @@ def test_each_estimate_term_is_within_its_bound_of_the_exact_step(cand):
     transient = [p.memory["activations"] + p.memory["buffers"] for p in (est, ex)]
     assert _within(transient[1], transient[0], TRANSIENT), transient
     if not cand.remat or not cand.pipelined:  # measured by the step (under pp, B's recomputation is not seen)
-        bounds = ACTIVATIONS if cand.pipelined else ACTIVATIONS_AT_PEAK
+        bounds = ACTIVATIONS_PP if cand.pipelined else ACTIVATIONS_AT_PEAK
         assert ex.memory["activations"] > 0
         assert _within(ex.memory["activations"], est.memory["activations"], bounds), \
             (est.memory["activations"], ex.memory["activations"])
