@@ -296,6 +296,23 @@ def _call(func: Any, groups: list[list[int]], args: Sequence[Any], kwargs: dict[
 _ORIGINAL = _lt._for_each_rank_run_func if _lt is not None else None
 
 
+_TORCH_META = _lt.module._compute_local_tensor_meta if _lt is not None else None
+
+
+def _local_meta(local_tensors: dict[int, torch.Tensor]) -> Any:
+    """torch's ``_compute_local_tensor_meta`` (a new ``LocalTensor``'s sizes, strides, dtype...: a Python loop over
+    ranks and dims) over the distinct tensors only, when ranks share them and every size and stride agrees."""
+    distinct = {}
+    for r, t in local_tensors.items():
+        distinct.setdefault(id(t), (r, t))
+    if len(distinct) == len(local_tensors):
+        return _TORCH_META(local_tensors)
+    meta = _TORCH_META(dict(distinct.values()))
+    if any(isinstance(v, torch.SymInt) for v in (*meta[0], *meta[1])):  # sizes differ by rank: every rank's
+        return _TORCH_META(local_tensors)
+    return meta
+
+
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -369,6 +386,7 @@ def installed() -> Iterator[None]:
         yield
         return
     _lt.module._for_each_rank_run_func = _run
+    _lt.module._compute_local_tensor_meta = _local_meta
     _SHARE[0] = os.environ.get("SHARDLAB_SIMULATE_SHARE", "1") != "0"
     c10d = _lt._c10d
     saved = {name: getattr(c10d, name) for name in (*_FUNCTIONAL, *_IN_PLACE)}
@@ -378,6 +396,7 @@ def installed() -> Iterator[None]:
         yield
     finally:
         _lt.module._for_each_rank_run_func = _ORIGINAL
+        _lt.module._compute_local_tensor_meta = _TORCH_META
         for name, fn in saved.items():
             setattr(c10d, name, fn)
 

@@ -34,6 +34,7 @@ def test_installed_only_inside_simulate():
     with shardings.simulate(2):
         assert lt.module._for_each_rank_run_func is fastlocal._run
     assert lt.module._for_each_rank_run_func is fastlocal._ORIGINAL
+    assert lt.module._compute_local_tensor_meta is fastlocal._TORCH_META
 
 
 def _sharing_program():
