@@ -32,7 +32,7 @@ from shardings.ops.vocab_parallel import embedding, nll
 from shardings.planner import plan
 from shardings.runtime.compat import maybe_disable_local_tensor_mode, rank_map
 from shardings.runtime.launch import LaunchError, launch
-from shardings.runtime.simulate import per_rank, simulate, simulated, unwrap
+from shardings.runtime.simulate import per_rank, simulate, simulated, simulated_calls, unwrap
 from shardings.spec import layouts
 from shardings.spec.context import constrain, current, use
 from shardings.spec.distribute import from_callback, gather, partial_axes, reshard, shard, spec_of
@@ -107,6 +107,7 @@ __all__ = [
     "sharding_error",
     "simulate",
     "simulated",
+    "simulated_calls",
     "spec_of",
     "testing",
     "train_step",

@@ -15,8 +15,8 @@
 * **--ab** — per world, the same check three times in this run: torch's per-rank loop
   (``SHARDLAB_SIMULATE_FAST=0``), shardlab's loop computing every rank (``SHARDLAB_SIMULATE_SHARE=0``) and with equal
   ranks computed once (the default): CPU seconds of each, ``speedup`` (torch's / the default's) and
-  ``calls_per_rank_op`` (the per-rank calls made per op and rank, from ``fastlocal.CALLS``: 1.0 without sharing, and
-  a count that no machine load changes).
+  ``calls_per_rank_op`` (the per-rank calls made per op and rank, from ``shardings.simulated_calls()``: 1.0
+  without sharing, and a count that no machine load changes).
 
 Wall-clock numbers: on a loaded machine compare runs made at the same time, not across days.
 """
@@ -30,8 +30,7 @@ import time
 from typing import Any
 
 import models.gpt as gpt
-from shardings import Mesh
-from shardings.runtime import fastlocal
+from shardings import Mesh, simulated_calls
 from shardings.testing import check_equivalence
 
 __all__ = ["MESHES", "ab_row", "equivalence_row", "main", "train_row"]
@@ -69,12 +68,13 @@ def ab_row(world: int) -> dict[str, Any]:
             for k in saved:
                 os.environ.pop(k, None)
             os.environ.update(env)
-            fastlocal.CALLS.clear()
+            simulated_calls(reset=True)
             one = equivalence_row(world)
             row[f"{name}_cpu_s"] = one["cpu_seconds"]
             row["equal"] = "yes" if row.get("equal", "yes") == "yes" and one["equal"] == "yes" else "NO"
             if name == "shared":
-                row["calls_per_rank_op"] = round(fastlocal.CALLS["calls"] / max(fastlocal.CALLS["rank_ops"], 1), 3)
+                calls = simulated_calls()
+                row["calls_per_rank_op"] = round(calls["calls"] / max(calls["rank_ops"], 1), 3)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None)

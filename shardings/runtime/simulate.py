@@ -19,7 +19,7 @@ from shardings.runtime.compat import FakeStore, LocalTensor, LocalTensorMode, re
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
 
-__all__ = ["per_rank", "simulate", "simulated", "simulated_world_size", "unwrap"]
+__all__ = ["per_rank", "simulate", "simulated", "simulated_calls", "simulated_world_size", "unwrap"]
 
 _ACTIVE: list[int] = []
 
@@ -77,6 +77,17 @@ def simulate(world_size: int) -> Iterator[None]:
         _ACTIVE.pop()
         _clear_device_meshes()
         dist.destroy_process_group()
+
+
+def simulated_calls(reset: bool = False) -> dict[str, int]:
+    """How much per-rank work simulated ranks did since the last reset: ``rank_ops`` (ops x ranks that went through
+    the per-rank loop) and ``calls`` (the calls it made for them: fewer where equal ranks were computed once, see
+    :mod:`shardings.runtime.fastlocal`). A measure of the work that no machine load changes; ``reset=True`` zeroes it
+    after reading."""
+    counts = {"rank_ops": fastlocal.CALLS["rank_ops"], "calls": fastlocal.CALLS["calls"]}
+    if reset:
+        fastlocal.CALLS.clear()
+    return counts
 
 
 def per_rank(x: Any) -> list[Any]:
