@@ -56,7 +56,7 @@ def equivalence_row(world: int) -> dict[str, Any]:
 
 
 VARIANTS = {"torch": {"SHARDLAB_SIMULATE_FAST": "0"}, "every_rank": {"SHARDLAB_SIMULATE_SHARE": "0"},
-            "shared": {}}  # name -> the environment of that run (the default: equal ranks computed once)
+            "shared": {"SHARDLAB_SIMULATE_SHARE": "1"}}  # name -> the environment of that run (sharing is opt-in)
 
 
 def ab_row(world: int) -> dict[str, Any]:

@@ -10,6 +10,12 @@ from shardings.runtime import fastlocal
 from shardings.runtime.compat import local_tensor_internals
 
 
+@pytest.fixture(autouse=True)
+def _sharing_on(monkeypatch):
+    """Sharing is opt-in (fastlocal's docstring): these tests check it, so they turn it on."""
+    monkeypatch.setenv("SHARDLAB_SIMULATE_SHARE", "1")
+
+
 def _run(monkeypatch, fast):
     monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1" if fast else "0")
     torch.manual_seed(0)

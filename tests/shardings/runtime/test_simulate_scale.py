@@ -13,7 +13,7 @@ CFG = gpt.Config(vocab=32, dim=16, layers=4, heads=4, kv_heads=4, head_dim=4, se
 
 
 def test_64_simulated_ranks_equal_one_device(monkeypatch):
-    monkeypatch.delenv("SHARDLAB_SIMULATE_SHARE", raising=False)
+    monkeypatch.setenv("SHARDLAB_SIMULATE_SHARE", "1")
     monkeypatch.delenv("SHARDLAB_SIMULATE_FAST", raising=False)
     mesh = Mesh(dp=4, pp=4, tp=4)
     batch = gpt.example_batch(CFG, 4 * 4, with_ignored=True)  # 4 microbatches of dp4 rows
