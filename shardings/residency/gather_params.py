@@ -97,6 +97,15 @@ class Regather:
                 self.tensors[id(block)] = (weakref.ref(block), k, pos, True)
         return k
 
+    def bucket_of(self, t: torch.Tensor) -> int | None:
+        """The bucket ``t`` (a gathered tensor given to :meth:`add`) is registered in, or ``None``."""
+        hit = self.tensors.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def saved(self, k: int | None) -> bool:
+        """Whether autograd saved bucket ``k`` as re-gather handles (so far): backward gathers it here."""
+        return k in self.order
+
     def release(self, k: int) -> None:
         """Bucket ``k``'s backward has run: drop its re-gathered tensors, prefetch nothing for it again."""
         bucket = self.buckets[k]

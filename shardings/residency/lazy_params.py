@@ -7,18 +7,29 @@ bucket's all-gather, assemble it, launch the next bucket's, and the op runs on t
 keeps only the buckets in use, so a block's gathered weights are freed once the loss moves
 on to the next block (autograd saves them as re-gather handles, never the weights themselves),
 as FSDP2's post-forward reshard. Metadata (``shape``, ``dtype``, ``ndim``, ...) is answered by the
-placeholder itself. Code that branches on a tensor's type before operating on it calls
+placeholder itself, and so is a cast (``x.to(dtype)``, a precision policy's cast to its compute dtype): another
+placeholder, cast when it is gathered. Code that branches on a tensor's type before operating on it calls
 :func:`resolve` first (``shardings.einsum``, ``constrain``, ``shard_map``, the vocab-parallel embedding do).
+
+Under remat (activation checkpointing, ``core.remat``) a block's checkpoint keeps its inputs until backward: the
+placeholders, not the gathered weights. Backward's recomputation of the block uses them again, so the owner
+gathers the bucket once more, and that gathered copy is what the block's backward then uses (its recomputed
+saved tensors): one gather per block in forward, one in backward, as FSDP with activation checkpointing. After
+forward (:meth:`Gathers.close`) the owner prefetches in backward's order: the bucket the recomputation of the block
+before needs, unless autograd saved that bucket as re-gather handles
+(:class:`~shardings.residency.gather_params.Regather`, which gathers it then).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from shardings.comm import flat_comm as fc
+from shardings.residency import gather_params
 from shardings.runtime.compat import disable_torch_function_subclass, pytree
 from shardings.spec.placeholder import Placeholder, resolve
 
@@ -50,6 +61,8 @@ class Gathers:
         self.count, self.kept, self.launch, self.build = count, tuple(kept), launch, build
         self.pending = {k: launch(k) for k in range(min(2, count))}  # bucket -> all-gather in flight
         self.live: dict[int, Sequence[torch.Tensor]] = {}  # bucket -> its full tensors, while forward uses them
+        self.in_backward = False  # forward is over (close): a materialization now is a recomputation (remat)
+        self.handles: dict[int, Callable[[], bool]] = {}  # bucket -> whether autograd saved it as re-gather handles
 
     def placeholders(self, buckets: Sequence[Sequence[int]], like: Sequence[torch.Tensor],
                      shape_of: Callable[[int], torch.Size]) -> dict[int, torch.Tensor]:
@@ -70,9 +83,24 @@ class Gathers:
             fulls = self.build(k, flat)
         del flat  # assembled: the gathered buffer goes before the next one is launched (one bucket at a time)
         self.live[k] = fulls
-        if k + 1 < self.count and k + 1 not in self.pending:
-            self.pending[k + 1] = self.launch(k + 1)  # prefetch: it gathers while this bucket computes
+        regather = gather_params.active()
+        if not self.in_backward and regather is not None and fulls:
+            self.handles.setdefault(k, functools.partial(regather.saved, regather.bucket_of(fulls[0])))
+        nxt = self._next(k)
+        if nxt is not None:
+            self.pending[nxt] = self.launch(nxt)  # prefetch: it gathers while this bucket computes
         return fulls
+
+    def _next(self, k: int) -> int | None:
+        """The bucket to prefetch once ``k`` is in use: in forward ``k + 1``; in backward (a recomputation under
+        remat) ``k - 1``, which the recomputation of the block before needs next, unless it stays gathered
+        (``kept``) or autograd saved it as re-gather handles (``Regather`` gathers it)."""
+        nxt = k - 1 if self.in_backward else k + 1
+        if not 0 <= nxt < self.count or nxt in self.pending or nxt in self.live:
+            return None
+        if self.in_backward and (nxt in self.kept or nxt not in self.handles or self.handles[nxt]()):
+            return None
+        return nxt
 
     def _drop_blocks(self) -> None:
         """Forget the buckets not in ``kept`` (freed unless an op or autograd still holds them)."""
@@ -82,7 +110,8 @@ class Gathers:
     def close(self) -> None:
         """At the end of forward: forget every bucket (autograd holds what backward needs) and await a
         prefetch the loss never used (an unused block). Again after backward, where a recomputed block
-        (remat) may have gathered once more."""
+        (remat) gathered once more."""
+        self.in_backward = True
         self.live.clear()  # the kept ones' (a reference cycle through their autograd nodes otherwise)
         for flat in self.pending.values():
             fc.wait(flat)
@@ -97,14 +126,16 @@ class Lazy(Placeholder):
     pos: int
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, shape: torch.Size, owner: Gathers, bucket: int, pos: int) -> Lazy:
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device,
+    def __new__(cls, like: torch.Tensor, shape: torch.Size, owner: Gathers, bucket: int, pos: int,
+                dtype: torch.dtype | None = None) -> Lazy:
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype or like.dtype, device=like.device,
                                                    requires_grad=like.requires_grad)
         self.owner, self.bucket, self.pos = owner, bucket, pos
         return self
 
     def materialize(self) -> torch.Tensor:
-        return self.owner.materialize(self.bucket)[self.pos]
+        full = self.owner.materialize(self.bucket)[self.pos]
+        return full.to(self.dtype)  # itself when gathered in this dtype (a policy's gathers cast before they move)
 
     def __repr__(self) -> str:  # no data to print
         return f"Lazy(shape={tuple(self.shape)}, dtype={self.dtype}, bucket={self.bucket})"
@@ -115,9 +146,23 @@ class Lazy(Placeholder):
         if func in _METADATA:
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)
+        dtype = _cast_to(func, args, kwargs)
+        if dtype is not None:  # a cast stays a placeholder: resolving it here would gather every bucket at once
+            x = args[0]
+            return x if dtype == x.dtype else Lazy(x, x.shape, x.owner, x.bucket, x.pos, dtype)
         args, kwargs = pytree.tree_map_only(Lazy, resolve, (args, kwargs))
         return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         raise RuntimeError(f"{func} reached a Lazy parameter placeholder below torch functions; it has no data")
+
+
+def _cast_to(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype of ``x.to(dtype)`` (nothing else: no device, no copy) on a placeholder ``x``, else ``None``."""
+    if func is not torch.Tensor.to or not isinstance(args[0], Lazy):
+        return None
+    rest = (*args[1:], *kwargs.values())
+    if len(rest) != 1 or not isinstance(rest[0], torch.dtype) or set(kwargs) - {"dtype"}:
+        return None
+    return rest[0]
