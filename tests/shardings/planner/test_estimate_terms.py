@@ -6,7 +6,7 @@ Each term has a stated bound on exact / estimated; the combined peak and step ti
 mesh axis × phase (forward, backward, the update after backward: ``shardings.planner.fake_step.PHASES``), the fake
 step telling the phases apart as they run. Worst ratios on this grid when written (2026-11-28): params, compute,
 grads 1 (equal); opt_state 1 + AdamW's step count (4 bytes); every collective kind × axis × phase 1 (equal bytes,
-rows under 1 KiB aside: the loss's scalars), but ZeRO-3's backward re-gathers under remat (below); the pipeline's
+rows under 1 KiB aside: the loss's scalars), ZeRO-3's backward re-gathers under remat included; the pipeline's
 sends 1 per phase; saved activations as the step measures them (a pipelined rank's peak; without pp the whole step's,
 seen beneath ZeRO-3's re-gather hooks) 0.73-1.19 of the estimate's term, and the memory model's activations term
 at the peak (corrected by the exact run: what the peak leaves, where grads and the optimizer's transients come
@@ -54,9 +54,9 @@ _TERMS = [("all_gather", "data", "forward"), ("all_gather", "data", "backward"),
           ("send", "pp", "forward"), ("send", "pp", "backward")]
 COMM_BOUNDS = dict.fromkeys(_TERMS, (1.0, 1.0))
 # ZeRO-3 under remat (not pp): the estimate counts one backward re-gather a block, as without remat; the step
-# re-gathers 2 - 1/L a block in fp32 (the recomputation's and the backward's own) and none under a bf16 policy (the
-# checkpoint keeps the cast copies gathered in forward): what the step should do there is not settled
-REMAT_BOUNDS = {("all_gather", "data", "backward"): (0.0, 2.0)}
+# gathers each block once in backward, fp32 and bf16 (the recomputation's, which the block's backward then uses, as
+# FSDP with activation checkpointing: tests/shardings/residency/test_zero3_remat.py): equal
+REMAT_BOUNDS = {("all_gather", "data", "backward"): (1.0, 1.0)}
 SLACK = 1024
 TRANSIENT = (0.5, 1.1)  # activations + buffers
 # the saved activations the step measures (a pipelined rank's without remat; every step without pp) against the
