@@ -23,6 +23,7 @@ import shardings
 from models import gpt
 from shardings import Mesh
 from shardings.comm.peak_memory import peak_memory
+from shardings.testing import check_equivalence
 
 DP = 4
 PRECISIONS = {"fp32": None, "bf16": core.precision.Policy.bf16_mixed}
@@ -132,3 +133,15 @@ def test_the_peak_holds_at_most_two_gathered_blocks_whatever_the_depth(precision
         f"{precision} ({'local' if local else 'DTensor'} path): 2 more blocks raised the peak by {growth:,.0f} B; "
         f"their gradients are {grads:,.0f} B, one gathered block {gathered_block:,.0f} B, inputs {_inputs():,.0f} B "
         f"(growth - grads = {(growth - grads) / gathered_block:.2f} gathered blocks)")
+
+
+@pytest.mark.parametrize(("precision", "local"), CASES, ids=IDS)
+def test_zero3_under_remat_with_accumulation_and_clipping_matches_one_device(precision, local):
+    """The recomputation's gathers are the ones backward uses: the step equals the single-device reference under the
+    same policy (bf16: its own rule, ``shardings.testing.tolerance``), with 2 microbatches and clipping."""
+    cfg = gpt.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp=64, seq_len=8, remat=True)
+    policy = PRECISIONS[precision]
+    report = check_equivalence(gpt.init, gpt.loss, gpt.axes, cfg, gpt.example_batch(cfg, 8), layouts=["zero3"],
+                               mesh=Mesh(dp=DP), steps=2, accum_steps=2, clip_norm=1.0, local=local,
+                               precision=policy() if policy else None, fp32_twin=False)
+    assert report.ok and len(report.rows) == 3 * 2
