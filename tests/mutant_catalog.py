@@ -644,6 +644,24 @@ MUTANTS: tuple[Mutant, ...] = (
            "                continue",
            "a shared tensor is written class by class without a copy: every rank sharing it sees the others' writes",
            ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
+    # -- ZeRO-3 under remat: one re-gather a block in backward, no gathered copy kept from forward ---------------
+    Mutant("zero3-remat-cast-resolves-placeholders", "shardings/residency/lazy_params.py",
+           "    if func is not torch.Tensor.to or not isinstance(args[0], Lazy):",
+           "    if True:",
+           "a policy's cast to the compute dtype resolves every ZeRO-3 placeholder before the loss runs: under bf16 "
+           "the forward holds every block's gathered weights, remat's checkpoints keep them until backward (no "
+           "re-gather)",
+           ("tests/shardings/residency/test_zero3_remat.py::test_backward_gathers_each_block_once",
+            "tests/shardings/residency/test_zero3_remat.py::"
+            "test_no_gathered_weights_live_from_a_blocks_forward_to_its_backward")),
+    Mutant("zero3-remat-prefetch-in-forward-order", "shardings/residency/lazy_params.py",
+           "nxt = k - 1 if self.in_backward else k + 1",
+           "nxt = k + 1",
+           "a block recomputed in backward (remat) prefetches the block after it, which backward has already passed: "
+           "L - 1 wasted gathers, each held until the step ends",
+           ("tests/shardings/residency/test_zero3_remat.py::test_backward_gathers_each_block_once",
+            "tests/shardings/residency/test_zero3_remat.py::"
+            "test_the_peak_holds_at_most_two_gathered_blocks_whatever_the_depth")),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
