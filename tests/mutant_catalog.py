@@ -644,6 +644,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "                continue",
            "a shared tensor is written class by class without a copy: every rank sharing it sees the others' writes",
            ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
+    Mutant("zero3-bucket-materialized-unused-grad", "shardings/residency/gather_buckets.py",
+           "        ctx.set_materialize_grads(False)\n",
+           "",
+           "a ZeRO-3 bucket's backward gets autograd's materialized zeros (a plain tensor) for a leaf the loss never "
+           "uses: zero3+tp+sp crashes, eager and jit",
+           ("tests/shardings/step/test_jit_zoo_bugs.py::"
+            "test_an_unused_parameter_under_zero3_tp_sp_trains_like_one_device",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
