@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from core import tree
+from shardings.ops.compile_decompositions import INDUCTOR
 from shardings.pipeline import Stages
 from shardings.runtime.compat import compiled_graphs, disable_current_modes, dynamo_config_patch, inductor_cache_dir
 from shardings.runtime.simulate import simulated
@@ -95,7 +96,8 @@ def compile_loss(loss_fn: Callable, backend: str) -> Callable:
 
     >>> loss = compile_loss(models.gpt.stages(cfg), "inductor")  # doctest: +SKIP
     """
-    options = dict(backend=backend, dynamic=False, fullgraph=True)
+    # inductor with the decompositions a DTensor's local blocks need (shardings.ops.compile_decompositions)
+    options = dict(backend=INDUCTOR if backend == "inductor" else backend, dynamic=False, fullgraph=True)
     if isinstance(loss_fn, Stages):
         block = _outside_modes(torch.compile(loss_fn.block, **options))
         compiled = dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))
