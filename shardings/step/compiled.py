@@ -23,6 +23,9 @@ What makes a block traceable:
   layouts and backward) instead of their autograd functions that build DTensors by hand;
 - DTensor's ``compute_global_tensor_info`` (C in torch 2.13, called by ``to_local``'s backward): a Python
   polyfill for dynamo (``shardings.runtime.compat.global_tensor_info``, installed where the private names live).
+- inductor's decompositions, which run on the local blocks while DTensor records the op's own global layout:
+  ``backend="inductor"`` compiles with :data:`shardings.ops.compile_decompositions.INDUCTOR`, whose ``aten.cat``
+  lays out its result as the op does (a one-tensor ``torch.cat`` failed to compile gpt2's attention under zero3+tp).
 
 Under ``pp`` each stage's blocks run the compiled block (the pipeline executor calls ``Stages.block``), under every
 schedule; embedding, head, the carries' sends and receives and their arrival layout stay eager. Zero-bubble
