@@ -662,6 +662,28 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/residency/test_zero3_remat.py::test_backward_gathers_each_block_once",
             "tests/shardings/residency/test_zero3_remat.py::"
             "test_the_peak_holds_at_most_two_gathered_blocks_whatever_the_depth")),
+    Mutant("zero3-bucket-materialized-unused-grad", "shardings/residency/gather_buckets.py",
+           "        ctx.set_materialize_grads(False)\n",
+           "",
+           "a ZeRO-3 bucket's backward gets autograd's materialized zeros (a plain tensor) for a leaf the loss never "
+           "uses: zero3+tp+sp crashes, eager and jit",
+           ("tests/shardings/step/test_jit_zoo_bugs.py::"
+            "test_an_unused_parameter_under_zero3_tp_sp_trains_like_one_device",)),
+    Mutant("inductor-cat-keeps-input-strides", "shardings/ops/compile_decompositions.py",
+           "    return out if out.is_contiguous(memory_format=layout) else out.contiguous(memory_format=layout)",
+           "    return out",
+           "inductor's aten.cat of one tensor keeps a permuted input's strides: a DTensor's local block disagrees "
+           "with its global layout, and gpt2's attention fails to compile under zero3+tp ('Cannot view a tensor')",
+           ("tests/shardings/step/test_jit_zoo_bugs.py::test_inductors_cat_of_one_tensor_is_laid_out_as_aten_cat",
+            "tests/shardings/step/test_jit_zoo_bugs.py::"
+            "test_the_layer_compiled_by_inductor_with_unused_parameters_trains_like_one_device")),
+    Mutant("jit-inductor-without-dtensor-decompositions", "shardings/step/compiled.py",
+           'backend=INDUCTOR if backend == "inductor" else backend',
+           "backend=backend",
+           "train_step(jit=True) compiles with inductor's own decompositions: a one-tensor torch.cat on DTensors "
+           "fails to compile ('Cannot view a tensor with shape')",
+           ("tests/shardings/step/test_jit_zoo_bugs.py::"
+            "test_the_layer_compiled_by_inductor_with_unused_parameters_trains_like_one_device",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

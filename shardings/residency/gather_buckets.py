@@ -135,6 +135,10 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bucket: _Bucket, flat: torch.Tensor, *shards: DTensor) -> tuple[DTensor, ...]:
         ctx.bucket = bucket
+        # A leaf the loss never uses gets no gradient: ``None`` here, as autograd gives the step
+        # (``dtensor_path.grads`` zero-fills it in its storage layout). Materialized, autograd would pass a plain
+        # zeros tensor of the leaf's global shape, no DTensor, which has no layout to reduce-scatter in.
+        ctx.set_materialize_grads(False)
         return bucket.assemble(flat, shards)
 
     @staticmethod

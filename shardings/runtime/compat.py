@@ -16,6 +16,7 @@ Every other private torch name shardlab uses (DTensor's internals, the dispatch-
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -75,6 +76,7 @@ __all__ = [
     "global_tensor_info",
     "grad_from_edges",
     "implicit_replication",
+    "inductor_with",
     "is_traceable_wrapper_subclass",
     "maybe_disable_local_tensor_mode",
     "maybe_run_for_local_tensor",
@@ -84,6 +86,7 @@ __all__ = [
     "require_simulation",
     "resolve_process_group",
     "substitute_in_graph",
+    "suggest_memory_format",
     "unavailable",
 ]
 
@@ -285,6 +288,30 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def inductor_with(decompositions: dict[Any, Callable]) -> Callable:
+    """A ``torch.compile`` backend: inductor (``torch._inductor.compile_fx.compile_fx``, what ``backend="inductor"``
+    runs) with ``decompositions`` in place of its own for those ops; each is given inductor's own decomposition of
+    its op first (``torch._inductor.decomposition.select_decomp_table()``, read at each compile). Checked on torch
+    2.13."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    def compile(gm: Any, example_inputs: Any) -> Any:
+        table = select_decomp_table()
+        ours = {op: functools.partial(fn, table[op]) for op, fn in decompositions.items() if op in table}
+        return compile_fx(gm, example_inputs, decompositions={**table, **ours})
+
+    return compile
+
+
+def suggest_memory_format(x: torch.Tensor) -> torch.memory_format:
+    """``torch._prims_common.suggest_memory_format``: the layout an op whose kernel follows its input's memory format
+    (``aten.cat``, ``clone``) gives its result. Checked on torch 2.13."""
+    from torch._prims_common import suggest_memory_format as suggest
+
+    return suggest(x)
 
 
 def disable_torch_function_subclass() -> contextlib.AbstractContextManager:

@@ -23,6 +23,9 @@ What makes a block traceable:
   layouts and backward) instead of their autograd functions that build DTensors by hand;
 - DTensor's ``compute_global_tensor_info`` (C in torch 2.13, called by ``to_local``'s backward): a Python
   polyfill for dynamo (``shardings.runtime.compat.global_tensor_info``, installed where the private names live).
+- inductor's decompositions, which run on the local blocks while DTensor records the op's own global layout:
+  ``backend="inductor"`` compiles with :data:`shardings.ops.compile_decompositions.INDUCTOR`, whose ``aten.cat``
+  lays out its result as the op does (a one-tensor ``torch.cat`` failed to compile gpt2's attention under zero3+tp).
 
 Under ``pp`` each stage's blocks run the compiled block (the pipeline executor calls ``Stages.block``), under every
 schedule; embedding, head, the carries' sends and receives and their arrival layout stay eager. Zero-bubble
@@ -58,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from core import tree
+from shardings.ops.compile_decompositions import INDUCTOR
 from shardings.pipeline import Stages
 from shardings.runtime.compat import compiled_graphs, disable_current_modes, dynamo_config_patch, inductor_cache_dir
 from shardings.runtime.simulate import simulated
@@ -95,7 +99,8 @@ def compile_loss(loss_fn: Callable, backend: str) -> Callable:
 
     >>> loss = compile_loss(models.gpt.stages(cfg), "inductor")  # doctest: +SKIP
     """
-    options = dict(backend=backend, dynamic=False, fullgraph=True)
+    # inductor with the decompositions a DTensor's local blocks need (shardings.ops.compile_decompositions)
+    options = dict(backend=INDUCTOR if backend == "inductor" else backend, dynamic=False, fullgraph=True)
     if isinstance(loss_fn, Stages):
         block = _outside_modes(torch.compile(loss_fn.block, **options))
         compiled = dataclasses.replace(loss_fn, block=lambda p, x, i: block(_resolved(p), x, i))

@@ -68,14 +68,6 @@ _BYTES = ("experiments.train feeds packed byte text (tokens and next-token label
           "experiments.train refuses it before any process starts (experiments.data.mismatch)")
 _DATA = "cannot train on experiments.train's data"
 
-_INDUCTOR_VIEW = ("under jit=True with inductor (the default backend), zero3 composed with tp fails to compile gpt2's "
-                  "written-out attention: AOTAutograd, with inductor's decompositions, runs torch._decomp's matmul "
-                  "on `q @ keys.transpose(-2, -1)`, whose reshape of the keys DTensor runs as a view of each local "
-                  "block, and a block of shape (4, 2, 8, 8), strides (128, 8, 1, 16) (laid out (b, s, h, d) by "
-                  "torch.einsum's 'bse,ehd->bhsd') cannot be viewed as (8, 8, 8): the global layout DTensor "
-                  "records for it presumably differs from the local one. aot_eager (no decompositions) compiles both "
-                  "cells and equals one device, measured; eager runs them: open")
-
 _BF16_EMBED = ("under bf16 on ZB-V's 8 ranks, the embedding's gradient ['tok'] lands at 1.01× the bf16 rule's "
                "allowance (relative norm 5.3e-2; every other leaf, the loss and the params within it), while the "
                "fp32 twin, which checks the layout at fp32 power, passes at 0.045×: bf16 rounding of a gradient "
@@ -92,8 +84,6 @@ DECLARED: dict[tuple[str, str, str], Declared] = {
                                     "sequence length of its own) gets text: " + _BYTES),
     ("llama_gqa", "zero3+tp+pp", "bf16"): Declared(EquivalenceError, "grads differ from the single-device reference",
                                                    _BF16_EMBED),
-    **{("gpt2", f, "jit"): Declared(LaunchError, "Cannot view a tensor with shape", _INDUCTOR_VIEW)
-       for f in ("zero3+tp+sp", "zero3+tp+pp")},
 }
 
 
