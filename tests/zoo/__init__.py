@@ -42,7 +42,7 @@ FEATURES = {
     "simulated": "check_equivalence on simulated ranks, fp32, 2 SGD steps",
     "bf16": "check_equivalence on simulated ranks under Policy.bf16_mixed(), and its fp32 twin, 1 AdamW step",
     "real": "check_equivalence on real processes (gloo), fp32, 1 AdamW step",
-    "jit": "check_equivalence of train_step(jit=True) on real processes (aot_eager), 1 AdamW step",
+    "jit": "check_equivalence of train_step(jit=True) on real processes (inductor, the default backend), 1 AdamW step",
     "train": "experiments.train's training loop (model.name=tests.zoo.<m>) on real processes, 2 steps",
     "resume": "a checkpoint (params and momentum) saved after step 1 under the cell's layout, resumed under another, "
               "equal to the uninterrupted run after step 2",

@@ -55,12 +55,13 @@ def test_zoo_cell_on_real_ranks_equals_one_device(reports, cell):
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("cell", DECLARED, ids=_id)
-def test_a_declared_combination_on_real_ranks_gives_its_declared_error(cell):
-    """When this fails, the gap is closed: drop its entries from tests/zoo/__init__.py's DECLARED."""
-    want = zoo.declared(*cell)
-    with pytest.raises(want.error, match=re.escape(want.match)):
-        check_equivalence(**features.check_args(*cell), runtime="multiprocess")
+if DECLARED:  # none today (gpt2's inductor cells were the last): no test rather than an empty parameter set's skip
+    @pytest.mark.parametrize("cell", DECLARED, ids=_id)
+    def test_a_declared_combination_on_real_ranks_gives_its_declared_error(cell):
+        """When this fails, the gap is closed: drop its entries from tests/zoo/__init__.py's DECLARED."""
+        want = zoo.declared(*cell)
+        with pytest.raises(want.error, match=re.escape(want.match)):
+            check_equivalence(**features.check_args(*cell), runtime="multiprocess")
 
 
 def test_a_warm_compile_cache_serves_each_rank_its_own_code(tmp_path, monkeypatch):
