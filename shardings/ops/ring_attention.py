@@ -12,9 +12,10 @@ against. Outside a mesh, the kernel runs on the tensors. When the active rules l
 * **ring** (default): each rank keeps its query block; K/V blocks travel around the axis with
   ``ppermute`` (``cp − 1`` steps); each block's output and log-sum-exp come from the kernel and
   merge by the online-softmax rule. The backward (a ``torch.autograd.Function``) passes K/V around
-  again with the dK/dV accumulators travelling alongside (``cp`` steps: the last brings them
-  home); each block's part comes from the kernel's backward given the merged output and
-  log-sum-exp. No rank ever holds the full K/V, in forward or backward.
+  again with the dK/dV accumulators in the same message (``cp`` steps: the last carries dK/dV
+  alone, home); each block's part comes from the kernel's backward given the merged output and
+  log-sum-exp. No rank ever holds the full K/V, in forward or backward, and no received block is
+  saved for backward, compiled or not (:func:`_pack`).
 * **all-gather** (preset ``cp_allgather``): K/V are all-gathered over the axis (their gradients
   reduce-scattered back) and the kernel runs with a ``(L, cp·L)`` boolean mask; simpler, ``cp``
   times the K/V memory.
@@ -215,6 +216,28 @@ class _Ring(NamedTuple):
             return ppermute(x, self.axis, [(i, (i + 1) % n) for i in range(n)])
 
 
+def _pack(kv: torch.Tensor, dkv: torch.Tensor) -> torch.Tensor:
+    """K/V and the dK/dV accumulators as one message (their bytes, as they may differ in dtype): what backward sends.
+
+    Why one message: it makes the re-send of K/V depend on the gradient, so a compiled step runs it in backward, as
+    eager does, and saves no received block (neither does the planner's cp memory model, shardings.planner.estimate).
+    Sent alone, K/V in backward depend on forward's values only, and AOTAutograd (torch 2.13) moves their send into
+    the compiled forward and saves what it received (cp − 1 blocks per layer): its CSE merges a re-send equal to
+    forward's (torch._functorch.compile_utils.fx_graph_cse spares random ops, aten.empty and outputs only, no tag or
+    side-effect mark opts out), and with the CSE off (functorch's ``config.cse``) the min-cut partitioner still
+    computes a collective that needs no tangent in forward (``force_save_collectives``: never recomputed) and keeps
+    a dead copy in backward. Sending both together also halves backward's collectives (``cp`` instead of
+    ``2·cp − 1`` per attention), for the same bytes.
+    """
+    return torch.cat((kv.reshape(-1).view(torch.uint8), dkv.reshape(-1).view(torch.uint8)))
+
+
+def _unpack(message: torch.Tensor, kv: torch.Tensor, dkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_pack`, shaped like the ``kv`` and ``dkv`` that were packed."""
+    cut = kv.numel() * kv.element_size()
+    return (message[:cut].view(kv.dtype).view(kv.shape), message[cut:].view(dkv.dtype).view(dkv.shape))
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention on zigzag-ordered local blocks; K/V (and dK/dV in backward) travel by ``ppermute``."""
 
@@ -246,9 +269,10 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv, dtype=acc)  # travels with kv, accumulating every rank's part
             for step in range(n):
                 dq, dkv = _backward_block(q, kv, dout, out, lse, dq, dkv, rank, step, n, ring.causal, scale)
-                if step < n - 1:
-                    kv = ring.send(kv)
-                dkv = ring.send(dkv)  # after the last step this brings dK/dV home
+                if step < n - 1:  # K/V and dK/dV as one message: _pack says why
+                    kv, dkv = _unpack(ring.send(_pack(kv, dkv)), kv, dkv)
+                else:
+                    dkv = ring.send(dkv)  # the last step brings dK/dV home
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
