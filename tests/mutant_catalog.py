@@ -644,6 +644,20 @@ MUTANTS: tuple[Mutant, ...] = (
            "                continue",
            "a shared tensor is written class by class without a copy: every rank sharing it sees the others' writes",
            ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
+    Mutant("ring-backward-kv-sent-alone", "shardings/ops/ring_attention.py",
+           "                if step < n - 1:  # K/V and dK/dV as one message: _pack says why\n"
+           "                    kv, dkv = _unpack(ring.send(_pack(kv, dkv)), kv, dkv)\n"
+           "                else:\n"
+           "                    dkv = ring.send(dkv)  # the last step brings dK/dV home\n",
+           "                if step < n - 1:\n"
+           "                    kv = ring.send(kv)\n"
+           "                dkv = ring.send(dkv)\n",
+           "ring attention's backward re-sends K/V alone (not with dK/dV): the send needs no gradient, so a compiled "
+           "step merges it with forward's (or moves it into forward) and keeps the received K/V blocks for backward: "
+           "fewer sends than eager, more held",
+           (f"{T_RING}::test_ring_passes_kv_cp_minus_one_times_forward_and_kv_with_dkv_in_backward",
+            "tests/shardings/step/test_jit.py::"
+            "test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning")),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
