@@ -655,7 +655,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "ring attention's backward re-sends K/V alone (not with dK/dV): the send needs no gradient, so a compiled "
            "step merges it with forward's (or moves it into forward) and keeps the received K/V blocks for backward: "
            "fewer sends than eager, more held",
-           (f"{T_RING}::test_ring_passes_kv_cp_minus_one_times_forward_and_kv_with_dkv_in_backward",
+           (f"{T_RING}::test_ring_passes_kv_cp_minus_one_times_forward_and_kv_dkv_in_backward",
             "tests/shardings/step/test_jit.py::"
             "test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning")),
 )

@@ -217,25 +217,23 @@ class _Ring(NamedTuple):
 
 
 def _pack(kv: torch.Tensor, dkv: torch.Tensor) -> torch.Tensor:
-    """K/V and the dK/dV accumulators as one message (their bytes, as they may differ in dtype): what backward sends.
+    """K/V and the dK/dV accumulators as one message (their bytes: the dtypes may differ), what backward sends.
 
-    Why one message: it makes the re-send of K/V depend on the gradient, so a compiled step runs it in backward, as
-    eager does, and saves no received block (neither does the planner's cp memory model, shardings.planner.estimate).
-    Sent alone, K/V in backward depend on forward's values only, and AOTAutograd (torch 2.13) moves their send into
-    the compiled forward and saves what it received (cp − 1 blocks per layer): its CSE merges a re-send equal to
-    forward's (torch._functorch.compile_utils.fx_graph_cse spares random ops, aten.empty and outputs only, no tag or
-    side-effect mark opts out), and with the CSE off (functorch's ``config.cse``) the min-cut partitioner still
-    computes a collective that needs no tangent in forward (``force_save_collectives``: never recomputed) and keeps
-    a dead copy in backward. Sending both together also halves backward's collectives (``cp`` instead of
-    ``2·cp − 1`` per attention), for the same bytes.
+    One message makes backward's re-send of K/V depend on the gradient, so a compiled step runs it in backward as
+    eager does and saves no received block (nor does the planner's cp memory model). Sent alone, it depends on
+    forward's values only, and AOTAutograd (torch 2.13) keeps what forward received: its CSE merges it with forward's
+    equal send (``fx_graph_cse`` spares random ops, ``aten.empty`` and outputs, no tag opts out); with ``config.cse``
+    off, the min-cut partitioner runs it in forward (a collective is never recomputed), saves its result and keeps a
+    dead copy in backward. It also sends ``cp``, not ``2·cp − 1``, messages per backward, of the same bytes.
     """
-    return torch.cat((kv.reshape(-1).view(torch.uint8), dkv.reshape(-1).view(torch.uint8)))
+    # dK/dV first: their dtype (the accumulator's) is the wider, so K/V's bytes start aligned for their dtype
+    return torch.cat((dkv.reshape(-1).view(torch.uint8), kv.reshape(-1).view(torch.uint8)))
 
 
 def _unpack(message: torch.Tensor, kv: torch.Tensor, dkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`_pack`, shaped like the ``kv`` and ``dkv`` that were packed."""
-    cut = kv.numel() * kv.element_size()
-    return (message[:cut].view(kv.dtype).view(kv.shape), message[cut:].view(dkv.dtype).view(dkv.shape))
+    """The inverse of :func:`_pack`: ``(kv, dkv)``, shaped like the ones that were packed."""
+    cut = dkv.numel() * dkv.element_size()
+    return message[cut:].view(kv.dtype).view(kv.shape), message[:cut].view(dkv.dtype).view(dkv.shape)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -87,7 +87,7 @@ def test_without_cp_it_is_the_fused_kernel_on_each_ranks_blocks():
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_passes_kv_cp_minus_one_times_forward_and_kv_with_dkv_in_backward(cp):
+def test_ring_passes_kv_cp_minus_one_times_forward_and_kv_dkv_in_backward(cp):
     batch, seq, heads, kv_heads, head_dim = 1, 4 * cp, 4, 2, 4
     q, k, v, cot = _inputs(batch, seq, heads, kv_heads, head_dim)
     kv_bytes = 2 * batch * (seq // cp) * kv_heads * head_dim * 4  # K and V blocks of one rank, fp32
