@@ -684,6 +684,20 @@ MUTANTS: tuple[Mutant, ...] = (
            "fails to compile ('Cannot view a tensor with shape')",
            ("tests/shardings/step/test_jit_zoo_bugs.py::"
             "test_the_layer_compiled_by_inductor_with_unused_parameters_trains_like_one_device",)),
+    Mutant("ring-backward-kv-sent-alone", "shardings/ops/ring_attention.py",
+           "                if step < n - 1:  # K/V and dK/dV as one message: _pack says why\n"
+           "                    kv, dkv = _unpack(ring.send(_pack(kv, dkv)), kv, dkv)\n"
+           "                else:\n"
+           "                    dkv = ring.send(dkv)  # the last step brings dK/dV home\n",
+           "                if step < n - 1:\n"
+           "                    kv = ring.send(kv)\n"
+           "                dkv = ring.send(dkv)\n",
+           "ring attention's backward re-sends K/V alone (not with dK/dV): the send needs no gradient, so a compiled "
+           "step merges it with forward's (or moves it into forward) and keeps the received K/V blocks for backward: "
+           "fewer sends than eager, more held",
+           (f"{T_RING}::test_ring_passes_kv_cp_minus_one_times_forward_and_kv_dkv_in_backward",
+            "tests/shardings/step/test_jit.py::"
+            "test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning")),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

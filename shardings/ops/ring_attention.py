@@ -12,9 +12,10 @@ against. Outside a mesh, the kernel runs on the tensors. When the active rules l
 * **ring** (default): each rank keeps its query block; K/V blocks travel around the axis with
   ``ppermute`` (``cp − 1`` steps); each block's output and log-sum-exp come from the kernel and
   merge by the online-softmax rule. The backward (a ``torch.autograd.Function``) passes K/V around
-  again with the dK/dV accumulators travelling alongside (``cp`` steps: the last brings them
-  home); each block's part comes from the kernel's backward given the merged output and
-  log-sum-exp. No rank ever holds the full K/V, in forward or backward.
+  again with the dK/dV accumulators in the same message (``cp`` steps: the last carries dK/dV
+  alone, home); each block's part comes from the kernel's backward given the merged output and
+  log-sum-exp. No rank ever holds the full K/V, in forward or backward, and no received block is
+  saved for backward, compiled or not (:func:`_pack`).
 * **all-gather** (preset ``cp_allgather``): K/V are all-gathered over the axis (their gradients
   reduce-scattered back) and the kernel runs with a ``(L, cp·L)`` boolean mask; simpler, ``cp``
   times the K/V memory.
@@ -215,6 +216,26 @@ class _Ring(NamedTuple):
             return ppermute(x, self.axis, [(i, (i + 1) % n) for i in range(n)])
 
 
+def _pack(kv: torch.Tensor, dkv: torch.Tensor) -> torch.Tensor:
+    """K/V and the dK/dV accumulators as one message (their bytes: the dtypes may differ), what backward sends.
+
+    One message makes backward's re-send of K/V depend on the gradient, so a compiled step runs it in backward as
+    eager does and saves no received block (nor does the planner's cp memory model). Sent alone, it depends on
+    forward's values only, and AOTAutograd (torch 2.13) keeps what forward received: its CSE merges it with forward's
+    equal send (``fx_graph_cse`` spares random ops, ``aten.empty`` and outputs, no tag opts out); with ``config.cse``
+    off, the min-cut partitioner runs it in forward (a collective is never recomputed), saves its result and keeps a
+    dead copy in backward. It also sends ``cp``, not ``2·cp − 1``, messages per backward, of the same bytes.
+    """
+    # dK/dV first: their dtype (the accumulator's) is the wider, so K/V's bytes start aligned for their dtype
+    return torch.cat((dkv.reshape(-1).view(torch.uint8), kv.reshape(-1).view(torch.uint8)))
+
+
+def _unpack(message: torch.Tensor, kv: torch.Tensor, dkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_pack`: ``(kv, dkv)``, shaped like the ones that were packed."""
+    cut = dkv.numel() * dkv.element_size()
+    return message[cut:].view(kv.dtype).view(kv.shape), message[:cut].view(dkv.dtype).view(dkv.shape)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention on zigzag-ordered local blocks; K/V (and dK/dV in backward) travel by ``ppermute``."""
 
@@ -246,9 +267,10 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv, dtype=acc)  # travels with kv, accumulating every rank's part
             for step in range(n):
                 dq, dkv = _backward_block(q, kv, dout, out, lse, dq, dkv, rank, step, n, ring.causal, scale)
-                if step < n - 1:
-                    kv = ring.send(kv)
-                dkv = ring.send(dkv)  # after the last step this brings dK/dV home
+                if step < n - 1:  # K/V and dK/dV as one message: _pack says why
+                    kv, dkv = _unpack(ring.send(_pack(kv, dkv)), kv, dkv)
+                else:
+                    dkv = ring.send(dkv)  # the last step brings dK/dV home
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 

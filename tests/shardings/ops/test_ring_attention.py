@@ -105,11 +105,34 @@ def test_ring_passes_kv_cp_minus_one_times_forward_and_kv_dkv_in_backward(cp):
     moved = sum(any(s != d for s, d in perm) for perm in _zigzag_perms(cp))
     half = batch * (seq // cp // 2) * head_dim * 4
     zigzag = (2 * moved, moved * half * (2 * heads + 2 * kv_heads))
-    ring = lambda c, sends: [{"kind": "ppermute", "axis": "cp", "count": sends + zigzag[0],
-                              "bytes": sends * kv_bytes + zigzag[1]}]
-    assert fwd.rows() == ring(fwd, cp - 1)  # nothing else: the ring and the relayout are all the traffic
-    # backward: K/V travel cp-1 steps again; the dK/dV accumulators travel alongside and one step more (home)
-    assert bwd.rows() == ring(bwd, 2 * cp - 1)
+    ring = lambda sends, blocks: [{"kind": "ppermute", "axis": "cp", "count": sends + zigzag[0],
+                                   "bytes": blocks * kv_bytes + zigzag[1]}]
+    assert fwd.rows() == ring(cp - 1, cp - 1)  # nothing else: the ring and the relayout are all the traffic
+    # backward: K/V travel cp-1 steps again with the dK/dV accumulators in the same message (so that a compiled
+    # step re-sends them in backward too: ring_attention._pack), and dK/dV one step more, alone (home)
+    assert bwd.rows() == ring(cp, 2 * cp - 1)
+
+
+def test_a_bfloat16_ring_sends_its_fp32_gradient_accumulators_with_its_kv():
+    # K/V in bf16 and dK/dV in fp32 travel as one message of their bytes: values, grads and bytes as they should be
+    cp, batch, seq, heads, kv_heads, head_dim = 2, 1, 8, 2, 1, 4
+    q, k, v, cot = (x.to(torch.bfloat16) for x in _inputs(batch, seq, heads, kv_heads, head_dim))
+    want_out, want_grads = _reference(*(x.double() for x in (q, k, v, cot)), True)
+    with shardings.simulate(cp):
+        mesh = Mesh(cp=cp)
+        assert mesh.device_mesh is not None
+        with comms() as bwd:
+            got = _sharded(q, k, v, cot, True, mesh, layouts.get("cp"), P(None, "cp"))
+    for got_ranks, want in zip(got, (want_out, *want_grads)):
+        for rank_value in got_ranks:
+            assert rank_value.dtype == torch.bfloat16
+            assert_close(rank_value.double(), want, dtype=torch.bfloat16, terms=seq)
+    block = batch * (seq // cp) * kv_heads * head_dim  # one rank's K (or V, dK, dV) block, elements
+    ring = [r for r in bwd.rows() if r["kind"] == "ppermute"]
+    zigzag_bytes = 2 * 2 * batch * (seq // cp // 2) * (2 * heads + 2 * kv_heads) * head_dim  # bf16 half blocks
+    # forward: K+V once (bf16); backward: K+V (bf16) with dK+dV (fp32), then dK+dV alone; the zigzag's 2 each way
+    assert ring == [{"kind": "ppermute", "axis": "cp", "count": 1 + 2 + 2 * 2,
+                     "bytes": 2 * block * 2 + (2 * block * 2 + 2 * block * 4) + 2 * block * 4 + zigzag_bytes}]
 
 
 def test_allgather_variant_gathers_kv_and_reduce_scatters_their_grads():

@@ -142,5 +142,5 @@ def test_step_reduces_cp_replicated_grads_over_cp_and_rings_kv():
     kv = 2 * 2 * (GPT.seq_len // 2) * GPT.n_kv_heads * GPT.d_head * 4  # one rank's K+V block (batch 2), fp32
     # and the zigzag relayout's: q, k, v in as one and the output back (their transposes in backward), half blocks
     zigzag = 2 * (GPT.seq_len // 4) * (2 * GPT.heads + 2 * GPT.n_kv_heads) * GPT.d_head * 4
-    assert rows["ppermute", "cp"] == {"kind": "ppermute", "axis": "cp", "count": 1 + 3 + 4,
+    assert rows["ppermute", "cp"] == {"kind": "ppermute", "axis": "cp", "count": 1 + 2 + 4,
                                       "bytes": (1 + 3) * kv + 2 * zigzag}
