@@ -80,11 +80,10 @@ def simulate(world_size: int) -> Iterator[None]:
 
 
 def simulated_calls(reset: bool = False) -> dict[str, int]:
-    """How much per-rank work simulated ranks did since the last reset: ``rank_ops`` (ops x ranks that went through
-    the per-rank loop) and ``calls`` (the calls it made for them: fewer where equal ranks were computed once, see
-    :mod:`shardings.runtime.fastlocal`). A measure of the work that no machine load changes; ``reset=True`` zeroes it
-    after reading."""
-    counts = {"rank_ops": fastlocal.CALLS["rank_ops"], "calls": fastlocal.CALLS["calls"]}
+    """How much per-rank work simulated ranks did since the last reset: ``rank_ops``, the ops x ranks that went
+    through :mod:`shardings.runtime.fastlocal`'s per-rank loop. A measure of the work that no machine load changes;
+    ``reset=True`` zeroes it after reading."""
+    counts = {"rank_ops": fastlocal.CALLS["rank_ops"]}
     if reset:
         fastlocal.CALLS.clear()
     return counts
