@@ -626,6 +626,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "pricing a _StridedShard's redistribution computes its offsets: unbacked SymInts under dynamo, and "
            "torch.einsum over 3-D weights on a 2-D mesh fails to compile (PendingUnbackedSymbolNotFound)",
            ("tests/shardings/step/test_jit_traced_ops.py",)),
+    # -- simulated ranks' intra-op threads (shardings.runtime.simulate, issue #42) -----------------------------------
+    Mutant("simulate-keeps-the-callers-threads", "shardings/runtime/simulate.py",
+           "    torch.set_num_threads(min(threads, rank_threads(world_size)))",
+           "    torch.set_num_threads(threads)",
+           "simulated ranks run every tiny per-rank op on the caller's whole thread pool (10x slower under load)",
+           ("tests/shardings/runtime/test_simulate_reset.py::"
+            "test_simulated_ranks_get_a_real_ranks_threads_and_give_them_back",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.
