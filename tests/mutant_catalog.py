@@ -633,6 +633,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "simulated ranks run every tiny per-rank op on the caller's whole thread pool (10x slower under load)",
            ("tests/shardings/runtime/test_simulate_reset.py::"
             "test_simulated_ranks_get_a_real_ranks_threads_and_give_them_back",)),
+    Mutant("fastlocal-meta-ignores-strides", "shardings/runtime/fastlocal.py",
+           "        if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.layout != layout \\\n",
+           "        if t.shape != shape or t.dtype != dtype or t.layout != layout \\\n",
+           "a LocalTensor whose ranks hold different strides (a transposed shard on one rank) takes the first rank's",
+           ("tests/shardings/runtime/test_fastlocal.py::test_local_tensor_metadata_is_torchs",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

@@ -1,6 +1,7 @@
 """shardings.runtime.fastlocal: simulate's cheaper per-rank loop computes what torch's loop computes (random draws
 included: every rank draws the same numbers, as under torch's), and is torch's again outside simulate."""
 
+import pytest
 import torch
 
 import shardings
@@ -32,7 +33,9 @@ def test_installed_only_inside_simulate():
     lt = local_tensor_internals()
     with shardings.simulate(2):
         assert lt.module._for_each_rank_run_func is fastlocal._run
+        assert lt.module._compute_local_tensor_meta is fastlocal._local_meta
     assert lt.module._for_each_rank_run_func is fastlocal._ORIGINAL
+    assert lt.module._compute_local_tensor_meta is fastlocal._TORCH_META
 
 
 def _writes_program():
@@ -67,3 +70,27 @@ def test_writes_views_foreach_and_collectives_equal_torchs_loop(monkeypatch):
     assert fast_distinct == torchs_distinct == [4] * 8  # one tensor per rank, as under torch's loop
     assert len({float(v.sum()) for v in fast[0]}) == 4  # the accumulators really differ between ranks
     assert all(torch.equal(v, a[:, 1:]) for v, a in zip(fast[1], fast[0], strict=True))  # the view saw the writes
+
+
+def _meta_or_error(meta, local):
+    try:
+        return repr(meta(local))
+    except AssertionError as e:
+        return f"AssertionError: {e}"
+
+
+@pytest.mark.parametrize("case", ["same", "uneven", "strides", "conj", "neg", "dtype", "one rank"])
+def test_local_tensor_metadata_is_torchs(case):
+    """A new LocalTensor's sizes, strides, dtype... (and torch's errors) are what torch's own function computes:
+    equal ranks read once, per-rank sizes and strides as SymInts, mixed dtypes or conj bits refused."""
+    z = torch.randn(3, dtype=torch.complex64)
+    local = {
+        "same": {r: torch.randn(4, 8, 2) for r in range(8)},
+        "uneven": {r: torch.randn(4 + r % 2, 8) for r in range(8)},  # an uneven shard on odd ranks
+        "strides": {r: torch.randn(8, 4).t() if r == 3 else torch.randn(4, 8) for r in range(8)},
+        "conj": {r: z.conj() if r == 5 else z for r in range(8)},
+        "neg": {r: z.conj().imag if r == 2 else z.imag for r in range(8)},
+        "dtype": {r: torch.randn(3, dtype=torch.float64 if r == 7 else torch.float32) for r in range(8)},
+        "one rank": {4: torch.randn(2, 3)},
+    }[case]
+    assert _meta_or_error(fastlocal._local_meta, local) == _meta_or_error(fastlocal._TORCH_META, local)
