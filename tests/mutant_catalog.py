@@ -559,9 +559,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the RNG state is never restored between ranks: each simulated rank draws different random numbers",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
     Mutant("fastlocal-rank-args-off-by-one", "shardings/runtime/fastlocal.py",
-           "        rank_args, rank_kwargs = _to_rank(tuple(args), r, leaf), _to_rank(kwargs, r, leaf)",
-           "        rank_args, rank_kwargs = _to_rank(tuple(args), (r + 1) % len(ranks), leaf), _to_rank(kwargs, r, "
-           "leaf)",
+           "        rank_args, rank_kwargs = _to_rank(args, r, leaf), _to_rank(kwargs, r, leaf)",
+           "        rank_args, rank_kwargs = _to_rank(args, (r + 1) % len(ranks), leaf), _to_rank(kwargs, r, leaf)",
            "each rank computes on its neighbour's local values",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
     # -- the zoo's planner column and experiments.train's data check (issue #40) ------------------------------------
@@ -627,23 +626,6 @@ MUTANTS: tuple[Mutant, ...] = (
            "pricing a _StridedShard's redistribution computes its offsets: unbacked SymInts under dynamo, and "
            "torch.einsum over 3-D weights on a 2-D mesh fails to compile (PendingUnbackedSymbolNotFound)",
            ("tests/shardings/step/test_jit_traced_ops.py",)),
-    Mutant("fastlocal-share-across-different-args", "shardings/runtime/fastlocal.py",
-           "        key = (*[id(d[r]) for d in tensors], *[d[r] for d in ints])",
-           "        key = (*[id(d[r]) for d in tensors[:1]], *[d[r] for d in ints])",
-           "ranks are computed once when only their first tensor argument is the same: ranks whose other arguments "
-           "differ get one rank's result",
-           ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
-    Mutant("fastlocal-merge-unequal-collective-results", "shardings/runtime/fastlocal.py",
-           "            if _same_bits(c, t):",
-           "            if c.shape == t.shape:",
-           "a collective's results are merged across ranks by shape, not by their bits: ranks that gathered "
-           "different values share one of them",
-           ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
-    Mutant("fastlocal-write-without-copy", "shardings/runtime/fastlocal.py",
-           "                _rebind(local, members, _shared_copy(t))\n                continue",
-           "                continue",
-           "a shared tensor is written class by class without a copy: every rank sharing it sees the others' writes",
-           ("tests/shardings/runtime/test_fastlocal.py::test_equal_ranks_are_computed_once_and_give_torchs_values",)),
     # -- ZeRO-3 under remat: one re-gather a block in backward, no gathered copy kept from forward ---------------
     Mutant("zero3-remat-cast-resolves-placeholders", "shardings/residency/lazy_params.py",
            "    if func is not torch.Tensor.to or not isinstance(args[0], Lazy):",
@@ -698,6 +680,18 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_RING}::test_ring_passes_kv_cp_minus_one_times_forward_and_kv_dkv_in_backward",
             "tests/shardings/step/test_jit.py::"
             "test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning")),
+    # -- simulated ranks' intra-op threads (shardings.runtime.simulate, issue #42) -----------------------------------
+    Mutant("simulate-keeps-the-callers-threads", "shardings/runtime/simulate.py",
+           "    torch.set_num_threads(min(threads, rank_threads(world_size)))",
+           "    torch.set_num_threads(threads)",
+           "simulated ranks run every tiny per-rank op on the caller's whole thread pool (10x slower under load)",
+           ("tests/shardings/runtime/test_simulate_reset.py::"
+            "test_simulated_ranks_get_a_real_ranks_threads_and_give_them_back",)),
+    Mutant("fastlocal-meta-ignores-strides", "shardings/runtime/fastlocal.py",
+           "        if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.layout != layout \\\n",
+           "        if t.shape != shape or t.dtype != dtype or t.layout != layout \\\n",
+           "a LocalTensor whose ranks hold different strides (a transposed shard on one rank) takes the first rank's",
+           ("tests/shardings/runtime/test_fastlocal.py::test_local_tensor_metadata_is_torchs",)),
 )
 
 # Mutants that change no behaviour a user could observe, each with the reason; they may survive.

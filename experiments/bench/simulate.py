@@ -12,11 +12,10 @@
   ``runtime=simulate`` (4 ranks in this process) and once on 4 real gloo processes (``runtime=multiprocess``),
   in this run: each run's tokens/s (after its first step) and simulated / real.
 
-* **--ab** — per world, the same check three times in this run: torch's per-rank loop
-  (``SHARDLAB_SIMULATE_FAST=0``), shardlab's loop computing every rank (``SHARDLAB_SIMULATE_SHARE=0``) and with equal
-  ranks computed once (the default): CPU seconds of each, ``speedup`` (torch's / the default's) and
-  ``calls_per_rank_op`` (the per-rank calls made per op and rank, from ``shardings.simulated_calls()``: 1.0
-  without sharing, and a count that no machine load changes).
+* **--ab** — per world, the same check twice in this run: torch's per-rank loop (``SHARDLAB_SIMULATE_FAST=0``) and
+  shardlab's (:mod:`shardings.runtime.fastlocal`, the default): CPU seconds of each, ``speedup`` (torch's /
+  shardlab's) and ``rank_ops`` (ops x ranks through shardlab's loop, from ``shardings.simulated_calls()``: a count
+  of the work that no machine load changes).
 
 Wall-clock numbers: on a loaded machine compare runs made at the same time, not across days.
 """
@@ -55,32 +54,27 @@ def equivalence_row(world: int) -> dict[str, Any]:
             "cpu_seconds": round(cpu, 1), "equal": "yes" if report.ok else "NO"}
 
 
-VARIANTS = {"torch": {"SHARDLAB_SIMULATE_FAST": "0"}, "every_rank": {"SHARDLAB_SIMULATE_SHARE": "0"},
-            "shared": {"SHARDLAB_SIMULATE_SHARE": "1"}}  # name -> the environment of that run (sharing is opt-in)
+VARIANTS = {"torch": "0", "fast": "1"}  # name -> SHARDLAB_SIMULATE_FAST of that run
 
 
 def ab_row(world: int) -> dict[str, Any]:
-    """The check at ``world`` under each of :data:`VARIANTS`, in this run: CPU seconds, speed-up, calls per rank-op."""
+    """The check at ``world`` under each of :data:`VARIANTS`, in this run: CPU seconds, speed-up, rank-ops."""
     row: dict[str, Any] = {"world": world, "mesh": "dp{} x pp{} x tp{}".format(*MESHES[world])}
-    saved = {k: os.environ.get(k) for k in ("SHARDLAB_SIMULATE_FAST", "SHARDLAB_SIMULATE_SHARE")}
+    saved = os.environ.get("SHARDLAB_SIMULATE_FAST")
     try:
-        for name, env in VARIANTS.items():
-            for k in saved:
-                os.environ.pop(k, None)
-            os.environ.update(env)
+        for name, fast in VARIANTS.items():
+            os.environ["SHARDLAB_SIMULATE_FAST"] = fast
             simulated_calls(reset=True)
             one = equivalence_row(world)
             row[f"{name}_cpu_s"] = one["cpu_seconds"]
             row["equal"] = "yes" if row.get("equal", "yes") == "yes" and one["equal"] == "yes" else "NO"
-            if name == "shared":
-                calls = simulated_calls()
-                row["calls_per_rank_op"] = round(calls["calls"] / max(calls["rank_ops"], 1), 3)
+            if name == "fast":
+                row["rank_ops"] = simulated_calls()["rank_ops"]
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
-    row["speedup"] = round(row["torch_cpu_s"] / row["shared_cpu_s"], 2)
+        os.environ.pop("SHARDLAB_SIMULATE_FAST", None)
+        if saved is not None:
+            os.environ["SHARDLAB_SIMULATE_FAST"] = saved
+    row["speedup"] = round(row["torch_cpu_s"] / row["fast_cpu_s"], 2)
     return row
 
 
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="train steps per runtime (the first one is not timed)")
     ap.add_argument("--no-train", action="store_true", help="skip the simulated/real tokens/s comparison")
     ap.add_argument("--csv", default=None, help="also write the equivalence table here")
-    ap.add_argument("--ab", action="store_true", help="each world under torch's loop, every rank, shared (CPU s)")
+    ap.add_argument("--ab", action="store_true", help="each world under torch's loop and shardlab's (CPU s)")
     args = ap.parse_args(argv)
     rows = []
     for world in args.worlds:

@@ -357,7 +357,8 @@ def global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tupl
     return shape, stride
 _LOOP_NAMES = ("_for_each_rank_run_func", "_map_to_rank_local_val", "_get_rng_state", "_set_rng_state",
                "_is_inplace_op", "_combine_rank_results", "return_and_correct_aliasing", "AsyncCollectiveTensor",
-               "enabled_local_tensor_mode", "OpOverload", "_c10d", "LocalIntNode", "LocalTensor")
+               "enabled_local_tensor_mode", "OpOverload", "LocalTensor", "_compute_local_tensor_meta",
+               "_get_extra_dispatch_keys")
 
 
 def local_tensor_internals() -> Any:
@@ -370,12 +371,6 @@ def local_tensor_internals() -> Any:
     if module is None or not all(hasattr(module, n) for n in _LOOP_NAMES):
         return None
     return types.SimpleNamespace(module=module, **{n: getattr(module, n) for n in _LOOP_NAMES})
-
-
-def storage_use_count(t: torch.Tensor) -> int:
-    """How many tensors (and storage handles) hold ``t``'s storage, a temporary handle made here included: 2 when
-    ``t`` is its storage's only tensor (no view of it or base alive). ``torch._C._storage_Use_Count``; torch 2.13."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def python_mode_stack() -> list[Any]:

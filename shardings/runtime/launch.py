@@ -42,6 +42,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from core import tree
 from shardings.runtime import watchdog
+from shardings.runtime.simulate import rank_threads
 from shardings.spec.errors import sharding_error
 from shardings.spec.mesh import _clear_device_meshes
 
@@ -177,7 +178,7 @@ def _worker(
     """One rank: run ``fn`` in a process group; return its pickled result, or leave why it failed in error_dir."""
     world = int(os.environ["WORLD_SIZE"])
     if (backend or _default_backend()) == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share this machine's cores
+        torch.set_num_threads(rank_threads(world))  # ranks share this machine's cores
     try:
         hang = functools.partial(_report_hang, error_dir)
         with watchdog.beating(_heartbeats(error_dir), int(os.environ["RANK"]), world, timeout, hang), \

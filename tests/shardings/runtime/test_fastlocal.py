@@ -10,12 +10,6 @@ from shardings.runtime import fastlocal
 from shardings.runtime.compat import local_tensor_internals
 
 
-@pytest.fixture(autouse=True)
-def _sharing_on(monkeypatch):
-    """Sharing is opt-in (fastlocal's docstring): these tests check it, so they turn it on."""
-    monkeypatch.setenv("SHARDLAB_SIMULATE_SHARE", "1")
-
-
 def _run(monkeypatch, fast):
     monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1" if fast else "0")
     torch.manual_seed(0)
@@ -39,74 +33,64 @@ def test_installed_only_inside_simulate():
     lt = local_tensor_internals()
     with shardings.simulate(2):
         assert lt.module._for_each_rank_run_func is fastlocal._run
+        assert lt.module._compute_local_tensor_meta is fastlocal._local_meta
     assert lt.module._for_each_rank_run_func is fastlocal._ORIGINAL
     assert lt.module._compute_local_tensor_meta is fastlocal._TORCH_META
 
 
-def _sharing_program():
-    """Replicated values (computed once), a shared buffer each rank then writes differently (copy-on-write), an
-    all-gather whose equal results are merged, and ops on them: every rank's values, and which ranks share."""
+def _writes_program():
+    """In-place writes into a replicated buffer by rank-dependent values, a foreach write, an all-gather and ops on
+    its results: every rank's values, and how many distinct tensors each result holds."""
     mesh = Mesh(dp=2, tp=2)
     x = shardings.shard(torch.arange(8.0).reshape(4, 2), P(("dp", "tp")), mesh).to_local()  # differs per rank
-    w = torch.ones(2, 3) * 0.5  # a factory and an op on it: one value for every rank
+    w = torch.ones(2, 3) * 0.5  # a factory and an op on it: the same value on every rank
     acc = torch.zeros(1, 3)
-    acc.add_(x @ w)  # ranks differ: the shared zeros are copied first
-    acc.mul_(2.0)  # each rank's own copy, written once
+    view = acc[:, 1:]  # a view: it sees the writes below
+    acc.add_(x @ w)  # each rank adds its own value
+    acc.mul_(2.0)
+    pair = [torch.zeros(2), torch.ones(2)]
+    torch._foreach_add_(pair, [x[0], x[0] * 2])  # a foreach write of rank-dependent values
     full = shardings.reshard(shardings.shard(torch.arange(8.0), P("tp"), mesh), P()).to_local()  # all-gather
-    y = (full * 3 - 1).exp()  # one value on every rank again
+    y = (full * 3 - 1).exp()
     half = shardings.reshard(shardings.shard(torch.arange(8.0), P(("dp", "tp")), mesh), P("dp")).to_local()
     z = half.sin()  # gathered over tp: the same within a dp group, not across them
-    out = [acc, w, full, y, z]
+    out = [acc, view, *pair, w, full, y, z]
     return [shardings.per_rank(t) for t in out], [len({id(v) for v in t._local_tensors.values()}) for t in out]
 
 
-def test_equal_ranks_are_computed_once_and_give_torchs_values(monkeypatch):
+def test_writes_views_foreach_and_collectives_equal_torchs_loop(monkeypatch):
     monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1")
     with shardings.simulate(4):
-        shared, distinct = _sharing_program()
+        fast, fast_distinct = _writes_program()
     monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "0")
     with shardings.simulate(4):
-        alone, alone_distinct = _sharing_program()
-    for a, b in zip(shared, alone, strict=True):
+        torchs, torchs_distinct = _writes_program()
+    for a, b in zip(fast, torchs, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
-    assert alone_distinct == [4, 4, 4, 4, 4]  # torch's loop: one tensor per rank
-    assert distinct == [4, 1, 1, 1, 2]  # the per-rank accumulator each rank's own, replicated values one tensor
-    assert len({float(v.sum()) for v in shared[0]}) == 4  # ... and the accumulators really differ
+    assert fast_distinct == torchs_distinct == [4] * 8  # one tensor per rank, as under torch's loop
+    assert len({float(v.sum()) for v in fast[0]}) == 4  # the accumulators really differ between ranks
+    assert all(torch.equal(v, a[:, 1:]) for v, a in zip(fast[1], fast[0], strict=True))  # the view saw the writes
 
 
-def test_a_viewed_shared_tensor_is_written_once_when_every_rank_writes_the_same(monkeypatch):
-    monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1")
-    with shardings.simulate(2):
-        mesh = Mesh(dp=2)
-        x = shardings.shard(torch.arange(2.0), P("dp"), mesh).to_local()  # differs per rank
-        same = (x * 0).expand(2) + torch.arange(2.0)  # equal values, one tensor per rank
-        assert len({id(v) for v in same._local_tensors.values()}) == 2
-        buf = torch.zeros(2)  # one tensor for both ranks
-        view = buf[1:]  # a view of it: a copy of buf would not be seen through it
-        buf.add_(same)
-        assert [v.tolist() for v in shardings.per_rank(view)] == [[1.0], [1.0]]
-        assert [v.tolist() for v in shardings.per_rank(buf)] == [[0.0, 1.0], [0.0, 1.0]]
+def _meta_or_error(meta, local):
+    try:
+        return repr(meta(local))
+    except AssertionError as e:
+        return f"AssertionError: {e}"
 
 
-def test_a_write_of_different_values_to_a_viewed_shared_tensor_is_refused(monkeypatch):
-    monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", "1")
-    with shardings.simulate(2):
-        x = shardings.shard(torch.arange(2.0), P("dp"), Mesh(dp=2)).to_local()  # 0. on rank 0, 1. on rank 1
-        buf = torch.zeros(2)  # one tensor for both ranks
-        view = buf[:1]  # a view of it: a copy of buf would not be seen through it
-        with pytest.raises(RuntimeError, match="SHARDLAB_SIMULATE_SHARE=0"):
-            buf.add_(x.expand(2))
-        assert all(torch.equal(v, torch.zeros(1)) for v in shardings.per_rank(view))  # nothing written
-
-
-def test_memory_counted_under_simulate_is_the_same_with_sharing(monkeypatch):
-    def peak():
-        with shardings.simulate(4), shardings.peak_memory() as m:
-            w = torch.ones(64, 64)
-            (w @ w).sum()
-        return m.peak
-
-    monkeypatch.setenv("SHARDLAB_SIMULATE_SHARE", "0")
-    alone = peak()
-    monkeypatch.setenv("SHARDLAB_SIMULATE_SHARE", "1")
-    assert peak() == alone
+@pytest.mark.parametrize("case", ["same", "uneven", "strides", "conj", "neg", "dtype", "one rank"])
+def test_local_tensor_metadata_is_torchs(case):
+    """A new LocalTensor's sizes, strides, dtype... (and torch's errors) are what torch's own function computes:
+    equal ranks read once, per-rank sizes and strides as SymInts, mixed dtypes or conj bits refused."""
+    z = torch.randn(3, dtype=torch.complex64)
+    local = {
+        "same": {r: torch.randn(4, 8, 2) for r in range(8)},
+        "uneven": {r: torch.randn(4 + r % 2, 8) for r in range(8)},  # an uneven shard on odd ranks
+        "strides": {r: torch.randn(8, 4).t() if r == 3 else torch.randn(4, 8) for r in range(8)},
+        "conj": {r: z.conj() if r == 5 else z for r in range(8)},
+        "neg": {r: z.conj().imag if r == 2 else z.imag for r in range(8)},
+        "dtype": {r: torch.randn(3, dtype=torch.float64 if r == 7 else torch.float32) for r in range(8)},
+        "one rank": {4: torch.randn(2, 3)},
+    }[case]
+    assert _meta_or_error(fastlocal._local_meta, local) == _meta_or_error(fastlocal._TORCH_META, local)
