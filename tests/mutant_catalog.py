@@ -322,7 +322,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "if rank != me and now - last > 100 * after_s:",
            "a stopped peer is named (and a wait without deadline ended) only after 100 timeouts",
            ("tests/shardings/runtime/test_watchdog.py",)),
-    Mutant("save-disk-error-unexplained", "shardings/checkpoint/__init__.py",
+    Mutant("save-disk-error-unexplained", "shardings/checkpoint/saving.py",
            "    except (OSError, CheckpointException) as e:\n        steps = _steps(root)",
            "    except CheckpointException as e:\n        steps = _steps(root)",
            "a full or read-only disk during the commit surfaces as a bare OSError, not the CheckpointError",
