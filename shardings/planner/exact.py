@@ -44,6 +44,7 @@ from shardings.pipeline.delivery import sends_held
 from shardings.pipeline.schedule import Action, Schedule, build, program, stages_per_rank
 from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
+from shardings.planner.comm_terms import overlapped
 from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.memory import ROLES, StepMemory, corrected
@@ -182,7 +183,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
                        layout.host)._asdict()
     work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
-                               **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
+                               **dataclasses.asdict(work), overlapped=overlapped(comm, layout, cand),
                                replica=_work(total) if cand.pipelined else None,
                                phases=_phase_rows(rank, cand, carry))
 
