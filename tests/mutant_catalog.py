@@ -176,12 +176,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "warmup = min(pp - r + seq_chunks - 1, units)",
            "1F1B warms up with one forward too many (holds pp - r + 1 microbatches)",
            (f"{T_SCHEDULE}::test_one_f_one_b_warms_up_then_alternates",)),
-    Mutant("pipeline-accumulate-one-percent", "shardings/pipeline/execute.py",
+    Mutant("pipeline-accumulate-one-percent", "shardings/pipeline/runner.py",
            "self.grads[key] = g if held is None else held + g",
            "self.grads[key] = g if held is None else held + 1.01 * g",
            "microbatch gradients after the first are accumulated 1% too large",
            (f"{T_PIPE}::test_adamw_steps_equal_one_device_with_clipping",)),
-    Mutant("pipeline-saved-output-cycle", "shardings/pipeline/execute.py",
+    Mutant("pipeline-saved-output-cycle", "shardings/pipeline/saved_activations.py",
            "return _Held(self, rank, st, t.detach())",
            "return _Held(self, rank, st, t)",
            "a saved output is held with its own node: a cycle gc cannot collect, each zero-bubble step's graph leaks",
@@ -322,7 +322,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "if rank != me and now - last > 100 * after_s:",
            "a stopped peer is named (and a wait without deadline ended) only after 100 timeouts",
            ("tests/shardings/runtime/test_watchdog.py",)),
-    Mutant("save-disk-error-unexplained", "shardings/checkpoint/__init__.py",
+    Mutant("save-disk-error-unexplained", "shardings/checkpoint/saving.py",
            "    except (OSError, CheckpointException) as e:\n        steps = _steps(root)",
            "    except CheckpointException as e:\n        steps = _steps(root)",
            "a full or read-only disk during the commit surfaces as a bare OSError, not the CheckpointError",
@@ -361,13 +361,13 @@ MUTANTS: tuple[Mutant, ...] = (
             # against the reference: zero3+pp (ZB-H1) and tp+pp (ZB-V)
             "tests/shardings/step/test_jit_equivalence.py::test_the_issues_layouts_compiled_train_like_one_device")),
     # -- the planner: the estimate term by term, the ranking's scale, the search's budget (issue 43) --------------
-    Mutant("estimate-tp-all-reduce-forward-only", "shardings/planner/estimate.py",
+    Mutant("estimate-tp-all-reduce-forward-only", "shardings/planner/comm_terms.py",
            '            for phase, n in (("forward", 2 * per + m), ("backward", 2 * per + m + again)):',
            '            for phase, n in (("forward", 2 * per + m), ("backward", m + again)):',
            "the estimate counts tensor parallelism's residual all-reduces in forward only (2 a block, not 4)",
            ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
             "exact_step[dp+tp dp2_tp2 fp32]",)),
-    Mutant("estimate-activations-split-over-tp-without-sp", "shardings/planner/estimate.py",
+    Mutant("estimate-activations-split-over-tp-without-sp", "shardings/planner/memory_terms.py",
            "        return (part.saved_residual / (t if sp else 1) + rest / t) / c",
            "        return (part.saved_residual / t + rest / t) / c",
            "the estimate counts the residual stream's saved activations as split over tp without sp (it is whole)",
@@ -392,7 +392,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "an exact run's price does not grow with the blocks it runs on fake tensors",
            ("tests/shardings/planner/test_search.py::test_the_price_of_an_exact_run_grows_with_blocks_times_"
             "microbatches",)),
-    Mutant("estimate-sp-backward-gathers-counted-in-forward", "shardings/planner/estimate.py",
+    Mutant("estimate-sp-backward-gathers-counted-in-forward", "shardings/planner/comm_terms.py",
            '            for phase, gathers, scatters in (("forward", 2 * per + m, 2 * per + m),\n'
            '                                             ("backward", 2 * per + m + 2 * again, 2 * per + m + again)):',
            '            for phase, gathers, scatters in (("forward", 4 * per + 2 * m, 2 * per + m),\n'
@@ -401,7 +401,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "kind × axis row and the step's total bytes unchanged, only the phases wrong",
            ("tests/shardings/planner/test_estimate_terms.py::test_each_estimate_term_is_within_its_bound_of_the_"
             "exact_step[zero1+tp+sp dp2_tp2 accum2 bf16]",)),
-    Mutant("estimate-zero3-regather-counted-in-forward", "shardings/planner/estimate.py",
+    Mutant("estimate-zero3-regather-counted-in-forward", "shardings/planner/comm_terms.py",
            '            gathers = {"forward": gathers_per_step,\n'
            '                       "backward": gathers_per_step if leaf.in_blocks and not layout.pipelined else 0}',
            '            gathers = {"forward": gathers_per_step * (2 if leaf.in_blocks and not layout.pipelined else '
@@ -589,7 +589,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "a TeraPipe candidate's comm steps run whole sequences: its ops and collectives are counted unchunked",
            ("tests/shardings/planner/test_seq_chunks.py::"
             "test_the_exact_run_of_a_chunked_candidate_runs_its_chunks_as_its_estimate_predicts",)),
-    Mutant("terapipe-first-offset-misses-a-chunk", "shardings/pipeline/execute.py",
+    Mutant("terapipe-first-offset-misses-a-chunk", "shardings/pipeline/runner.py",
            "offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit))",
            "offset = sum(seq_length(self.microbatches[u]) for u in range(unit - unit % self.k, unit - 1))",
            "the executor passes a chunk's prefix_first the offset of the chunk before it (learned positions shifted)",

@@ -44,6 +44,7 @@ from shardings.pipeline.delivery import sends_held
 from shardings.pipeline.schedule import Action, Schedule, build, program, stages_per_rank
 from shardings.planner import estimate as estimates
 from shardings.planner.candidates import Candidate, layout_of
+from shardings.planner.comm_terms import overlapped
 from shardings.planner.estimate import pipeline_sends
 from shardings.planner.fake_step import Measured, measure
 from shardings.planner.memory import ROLES, StepMemory, corrected
@@ -182,7 +183,7 @@ def exact(model: Any, cfg: Any, rows: int, cand: Candidate, optimizer: Any, peri
                        layout.host)._asdict()
     work = _work(rank)
     return dataclasses.replace(estimated, exact=True, comm=comm, simulated=simulated, memory=memory, host=host,
-                               **dataclasses.asdict(work), overlapped=estimates._overlapped(comm, layout, cand),
+                               **dataclasses.asdict(work), overlapped=overlapped(comm, layout, cand),
                                replica=_work(total) if cand.pipelined else None,
                                phases=_phase_rows(rank, cand, carry))
 
@@ -352,15 +353,14 @@ def _phase_rows(values: dict[str, Any], cand: Candidate,
                 out[(kind, axis, phase)] = (round(count), Fraction(v))
     if cand.pipelined:
         sends = estimates.pipeline_send_phases(cand.schedule, cand.size("pp"), cand.microbatches, cand.virtual_stages)
-        out |= {("send", "pp", phase): (n * cand.seq_chunks, n * carry)  # seq_chunks messages per carry, same bytes
+        out |= {("send", "pp", phase): _carries(n, carry, cand.seq_chunks)
                 for phase, n in zip(("forward", "backward"), sends) if n}
     return out
 
 
 def _rows(values: dict[str, Any], sends: int, carry: Fraction,
           seq_chunks: int = 1) -> dict[tuple[str, str], tuple[int, Fraction]]:
-    """The comm rows of extrapolated ``values``, with the pipeline's ``sends`` (whole microbatches' carries of
-    ``carry`` bytes each; with ``seq_chunks = k``, ``k`` messages per carry, the same bytes in all)."""
+    """The comm rows of extrapolated ``values``, with the pipeline's ``sends`` (:func:`_carries`)."""
     out: dict[tuple[str, str], tuple[int, Fraction]] = {}
     for k, v in values.items():
         if k.startswith("comm/") and k.endswith("/bytes"):
@@ -369,5 +369,11 @@ def _rows(values: dict[str, Any], sends: int, carry: Fraction,
             if v or count:
                 out[(kind, axis)] = (round(count), Fraction(v))
     if sends:
-        out[("send", "pp")] = (sends * seq_chunks, sends * carry)
+        out[("send", "pp")] = _carries(sends, carry, seq_chunks)
     return out
+
+
+def _carries(sends: int, carry: Fraction, seq_chunks: int) -> tuple[int, Fraction]:
+    """``(messages, bytes)`` of ``sends`` whole microbatches' carries of ``carry`` bytes each: with ``seq_chunks = k``
+    (TeraPipe) each carry goes as ``k`` messages, one per chunk, the same bytes in all."""
+    return sends * seq_chunks, sends * carry

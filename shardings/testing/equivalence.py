@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,9 +18,10 @@ from shardings.spec.layouts import get as get_layout
 from shardings.spec.mesh import Mesh
 from shardings.step.compiled import DEFAULT_JIT_BACKEND
 from shardings.testing.power import Judge, Limit, detection_limit, summarize, unknown_patterns
+from shardings.testing.reference import low_dtype, reference_steps
 from shardings.testing.report import Report, Row
 from shardings.testing.sharded_runs import StagesOf, runners
-from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS, largest, tolerance
+from shardings.testing.tolerance import LOW_PRECISION_ULPS, ULPS
 
 __all__ = ["EquivalenceError", "Limit", "Planned", "Report", "Row", "check_equivalence", "check_runs", "compare_trees",
            "judge", "plan"]
@@ -64,86 +64,6 @@ def _compare(got: Any, judge: Judge) -> tuple[float, float, float, str, bool]:
     return worst
 
 
-def low_dtype(policy: Any) -> torch.dtype | None:
-    """The least precise of a policy's compute and reduce dtypes (``None`` without a policy): what the
-    tolerance rule takes its epsilon from."""
-    if policy is None:
-        return None
-    return max((policy.compute_dtype, policy.reduce_dtype), key=lambda d: torch.finfo(d).eps)
-
-
-def _with_policy(loss_fn: Callable, policy: Any) -> Callable:
-    """The single-device loss under a precision policy: params cast to compute dtype, gradients rounded to the
-    reduce dtype (their reduction's), returned in the params' dtype; scaled by the policy's initial loss scale."""
-    if policy is None:
-        return core.value_and_grad(loss_fn)
-    scale = policy.scaler.initial if policy.scaler is not None else 1.0
-
-    def value_and_grad(params: Any, batch: Any) -> tuple[torch.Tensor, Any]:
-        loss, grads = core.value_and_grad(lambda p: loss_fn(policy.cast_to_compute(p), batch) * scale)(params)
-        return loss / scale, tree.map(lambda g, p: policy.cast_to_reduce(g).to(p.dtype) / scale, grads, params)
-
-    return value_and_grad
-
-
-def _reference(init, loss_fn, cfg, batch, optimizer, steps, key, clip_norm, terms, ulps, policy=None, tolerances=None):
-    """Per step the single-device ``(loss, grads, params)``, and how far rounding noise could move each of them.
-
-    The second part runs the same optimizer twice more beside the reference, each on its own
-    gradients pushed up and down by the largest difference the tolerance rule allows them. An
-    optimizer that normalizes the gradient (Adam's ``m / √v``) turns gradient noise near zero
-    into a step of about the learning rate; these two runs measure that amplification, element by
-    element, so the params comparison allows exactly it and no more (plain SGD: almost nothing).
-    From step 2 on, the loss and gradients those runs compute at their own params measure how far
-    that allowed params noise moves the loss and gradients in turn (the same allowance, one step later).
-    The pushes are the rule's for each leaf: its tree's floor, and a ``tolerances`` override's ulps.
-    """
-    params = init(key, cfg)
-    ulps_of = lambda path: next((u for rx, u in (tolerances or {}).items() if re.search(rx, path)), ulps)
-    value_and_grad = _with_policy(loss_fn, policy)
-    dtype = low_dtype(policy)
-    opt = core.optim.chain(core.optim.clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
-    state = opt.init(params)
-    noisy = [(sign, params, opt.init(params)) for sign in (1.0, -1.0)]
-    out, slack = [], []
-    for step in range(steps):
-        loss, grads = value_and_grad(params, batch)
-        seen = []  # (loss, grads) of each noisy run at its own params
-        for j, (sign, p, st) in enumerate(noisy):
-            g_loss, g = (loss, grads) if step == 0 else value_and_grad(p, batch)
-            seen.append((g_loss, g))
-            floor = largest(g)
-            pushed = tree.map_with_path(lambda path, x, sign=sign, floor=floor: x + sign * _allowed(
-                x, terms, ulps_of(tree.keystr(path)), dtype, floor), g)
-            updates, st = opt.update(pushed, st, p)
-            noisy[j] = (sign, core.optim.apply_updates(p, updates), st)
-        updates, state = opt.update(grads, state, params)
-        params = core.optim.apply_updates(params, updates)
-        out.append((loss, grads, params))
-        slack.append({
-            "loss": _spread(loss, [s[0] for s in seen]),
-            "grads": _spread(grads, [s[1] for s in seen]),
-            "params": _spread(params, [p for _, p, _ in noisy]),
-        })
-    return out, slack
-
-
-def _spread(want: Any, others: list[Any]) -> dict[str, torch.Tensor]:
-    """Per key path, the elementwise largest ``|other - want|`` over ``others``."""
-    moved = [tree.map(lambda a, b: (a - b).abs(), o, want) for o in others]
-    return {tree.keystr(k): torch.maximum(x, y) for (k, x), y in
-            zip(tree.leaves_with_path(moved[0]), tree.leaves(moved[1]))}
-
-
-def _allowed(g: torch.Tensor, terms: int, ulps: float, dtype: torch.dtype | None = None,
-             floor: float | None = None) -> torch.Tensor:
-    """The largest difference from ``g`` the rule accepts, per element (``floor``: its tree's largest magnitude)."""
-    if not g.numel():
-        return torch.zeros_like(g)
-    tol = tolerance(g, terms=terms, ulps=ulps, dtype=dtype, floor=floor)
-    return tol.atol + tol.rtol * g.detach().abs()
-
-
 def check_equivalence(
     init: Callable[[Any, Any], Any],
     loss: Callable[..., torch.Tensor],
@@ -182,12 +102,12 @@ def check_equivalence(
     bug cannot hide behind rank 0), every step, leaf by leaf, with the tolerance rule of
     :mod:`shardings.testing.tolerance` (``terms`` = the batch's tokens by default); the tree
     structures must match. A leaf whose reference is ~0 (a key bias's gradient) is judged on its tree's
-    floor, the rounding of the tree's largest values. Params get one more allowance: how far the optimizer
-    moves them when the reference's gradients are off by what the rule allows (measured by two extra
-    reference runs, see ``_reference``) — Adam turns a gradient that is exactly zero on one device and
-    1e-12 on sharded ranks into a learning-rate step, which is rounding, not a bug. From step 2 on,
-    loss and grads get the same kind of allowance: how far they move at the params those extra runs
-    reached (params within the allowance give gradients that differ by more than one step's rounding).
+    floor, the rounding of the tree's largest values. Params get one more allowance: how far the optimizer moves
+    them when the reference's gradients are off by what the rule allows (measured by two extra reference runs,
+    :func:`~shardings.testing.reference.reference_steps`) — Adam turns a gradient that is exactly zero on one device
+    and 1e-12 on sharded ranks into a learning-rate step, which is rounding, not a bug. From step 2 on, loss and
+    grads get the same kind of allowance: how far they move at the params those extra runs reached (params within
+    the allowance give gradients that differ by more than one step's rounding).
     A wrong gradient still fails in the grads rows, and a wrong update fails in the params rows.
 
     Under a bf16/fp16 ``precision`` each layout also runs as its *fp32 twin* (reported as ``<layout>@fp32``):
@@ -349,7 +269,7 @@ def check_runs(runs: dict[str, Callable[[], list[list[Any]]]], init: Callable[[A
     if unknown:
         raise ValueError(f"check_equivalence: the patterns {unknown} (tolerances/exclude) match no leaf of the params "
                          f"{paths}. Fix: write a regex that re.search finds in one of these key paths.")
-    ref, slack = _reference(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps, precision,
+    ref, slack = reference_steps(init, loss_fn, cfg, batch, make(), steps, key, clip_norm, terms, ulps, precision,
                             tolerances)
     rows: list[Row] = []
     limits: list[Limit] = []

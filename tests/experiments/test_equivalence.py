@@ -83,7 +83,7 @@ def test_real_processes_and_the_compiled_step_from_the_command_line(capsys, monk
     """``runtime=multiprocess jit=true``: check_equivalence on real gloo ranks, compiled (the researcher's model:
     RoPE from arange, F.cross_entropy), both layouts in one launch."""
     calls = _spy(monkeypatch)
-    assert main(["model.name=tests.experiments.llama_gqa", "layouts=[dp,zero3]", "mesh=dp2", "steps=1",
+    assert main(["model.name=tests.zoo.llama_gqa", "layouts=[dp,zero3]", "mesh=dp2", "steps=1",
                  "runtime=multiprocess", "jit=true", "jit_backend=aot_eager"]) == 0
     (call,) = calls
     assert call["runtime"] == "multiprocess" and call["jit"] is True and call["jit_backend"] == "aot_eager"

@@ -17,8 +17,8 @@ import shardings
 from core import deferred, tree
 from experiments import plan
 from experiments.train import run
-from tests.experiments import llama_gqa
 from tests.experiments.conftest import compose_config
+from tests.zoo import llama_gqa
 
 
 def test_a_candidate_s_train_overrides_run_it_in_experiments_train():
@@ -70,7 +70,7 @@ def test_layout_auto_trains_the_winner_as_the_docs_command_runs_it(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["layout"] == winner[1]
 
 
-LLAMA = "tests.experiments.llama_gqa"  # a researcher's model: no remat field, F.cross_entropy, RoPE from arange
+LLAMA = "tests.zoo.llama_gqa"  # a researcher's model: no remat field, F.cross_entropy, RoPE from arange
 
 
 def test_the_planner_takes_a_researchers_model_as_written(capsys, monkeypatch):
@@ -86,8 +86,8 @@ def test_the_planner_takes_a_researchers_model_as_written(capsys, monkeypatch):
     cfg = llama_gqa.Config(layers=4)
     with deferred.deferred():
         count = sum(x.numel() for x in tree.leaves(llama_gqa.init(core.random.key(0), cfg)))
-    assert out.startswith(f"planning {LLAMA} {cfg!r}: {count:,} parameters, batch 16 × 16 tokens; its Config has "
-                          "no remat field: planned without remat\n")
+    assert out.startswith(f"planning {LLAMA} {cfg!r}: {count:,} parameters, batch 16 × {cfg.seq_len} tokens; its "
+                          "Config has no remat field: planned without remat\n")
     (ranking,) = rankings
     seen = [r.candidate for r in ranking.rows] + list(ranking.dropped)
     assert len(seen) == ranking.searched and not any(c.remat or "offload" in c.layout for c in seen)
@@ -144,14 +144,14 @@ def test_layout_auto_trains_a_researchers_model(tmp_path, capsys):
 
 _MASKED = '''
 import torch.nn.functional as F
-from tests.experiments.llama_gqa import Config, init, axes, example_batch, embed, block, rms_norm
+from tests.zoo.llama_gqa import Config, init, axes, example_batch, embed, block, rms_norm
 
 
 def loss(params, batch, cfg):
     x = embed(params, batch)
     for p in params["blocks"]:
         x = block(p, x, cfg)
-    logits, labels = rms_norm(x, params["norm"]) @ params["head"], batch["labels"]
+    logits, labels = rms_norm(x, params["norm"], cfg.eps) @ params["head"], batch["labels"]
     keep = labels != 0  # a boolean mask indexed with: its size is data
     return F.cross_entropy(logits[keep], labels[keep])
 '''

@@ -17,6 +17,7 @@ import models.gpt as gpt
 import shardings
 from core import tree
 from shardings import Mesh, checkpoint
+from shardings.checkpoint import saving
 
 CFG = gpt.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp=64, seq_len=8)
 OPT = core.optim.adamw(1e-2, weight_decay=0.1)
@@ -277,7 +278,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, monk
     checkpoint.save(tmp_path, {"w": torch.ones(4)}, step=1)
     with monkeypatch.context() as m:
         if where == "before the commit":
-            m.setattr(checkpoint, "_commit", _crash)
+            m.setattr(saving, "_commit", _crash)  # where save() looks it up
         else:
             import torch.distributed.checkpoint.filesystem as fs
 

@@ -12,7 +12,7 @@ import models
 import shardings
 from shardings import pipeline
 from shardings.pipeline.delivery import delivered_by, sends_held
-from shardings.pipeline.execute import _Held
+from shardings.pipeline.saved_activations import _Held
 from shardings.pipeline.schedule import Action, build, one_f_one_b
 from shardings.pipeline.wire import Wire
 from tests.shardings.pipeline.cases import any_schedule

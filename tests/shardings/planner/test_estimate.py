@@ -77,5 +77,5 @@ def test_pipelined_estimate_sends_the_exact_parameter_collective_bytes(cand):
     # the estimated peak counts the stage's unreduced gradients (held twice, or with their reduce-dtype copy): never
     # below the fake step's, so the estimate phase keeps no pipelined candidate that cannot fit; at most 1.75x (it
     # adds every in-flight microbatch's activations to the reduction's buffers, live at different times, and counts
-    # a zero-bubble microbatch awaiting W at the most it can hold, estimate._AWAITING_W: 1.70x for hsdp+pp zb_v)
+    # a zero-bubble microbatch awaiting W at the most it can hold, memory_terms.AWAITING_W: 1.70x for hsdp+pp zb_v)
     assert exact.peak <= estimated.peak <= 1.75 * exact.peak

@@ -42,7 +42,7 @@ GRID = [Candidate("dp", (("dp", 4),)),
         Candidate("zero1+pp", PIPE, 4, "1f1b"),
         Candidate("tp+pp", (("pp", 2), ("tp", 2)), 2, "1f1b"),
         Candidate("tp+sp+pp", (("pp", 2), ("tp", 2)), 2, "1f1b", None, True, "bf16"),
-        # zero bubble under remat: what a microbatch awaiting W holds (estimate._AWAITING_W_REMAT), three cases
+        # zero bubble under remat: what a microbatch awaiting W holds (memory_terms.AWAITING_W_REMAT), three cases
         Candidate("zero1+pp", PIPE, 4, "zb_h1", None, True),
         Candidate("zero2+pp", PIPE, 4, "zb_h1", None, True, "bf16"),
         Candidate("zero3+pp", PIPE, 2, "zb_v", None, True)]
