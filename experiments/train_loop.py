@@ -92,8 +92,12 @@ def _earlier_records(out_dir: str, upto: int) -> list[dict[str, Any]]:
 
 
 def checkpoint_dir(cfg: Any, out_dir: str) -> str | None:
-    """Where the run's checkpoints go (``None``: it saves none)."""
-    return (cfg["checkpoint"]["dir"] or str(Path(out_dir, "checkpoints"))) if cfg["checkpoint"]["every"] else None
+    """The run's checkpoint folder, to resume from and (``checkpoint.every`` > 0) save into; ``None``: neither.
+
+    A ``checkpoint.dir`` named without ``every`` still resumes from it (and refuses a resume that changes the
+    experiment): whoever names a folder of checkpoints means to continue from it, not to start over beside it."""
+    conf = cfg["checkpoint"]
+    return conf["dir"] or (str(Path(out_dir, "checkpoints")) if conf["every"] else None)
 
 
 def run_rank(conf: dict[str, Any], out_dir: str, setup: Setup | None = None) -> dict[str, Any]:
@@ -192,7 +196,7 @@ def _train(conf: dict[str, Any], out_dir: str, setup: Setup, console: Console) -
                 log.write(json.dumps(records[-1]) + "\n")
                 log.flush()
             tracker.step(i, records[-1], float(lr(i - 1)))
-            if ckpt_dir and (i % cfg.checkpoint.every == 0 or i == cfg.steps):
+            if ckpt_dir and cfg.checkpoint.every and (i % cfg.checkpoint.every == 0 or i == cfg.steps):
                 t0 = time.perf_counter()
                 state = _train_state(params, opt_state, data_state, key, conf)
                 saved_to = checkpoint.save(ckpt_dir, state, step=i, keep=cfg.checkpoint.keep).path

@@ -108,6 +108,17 @@ def test_a_resume_that_changes_the_experiment_is_refused_with_the_keys_and_the_f
     assert accepted["resumed_from"] == 2 and sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
+def test_a_checkpoint_dir_named_without_every_resumes_from_it_and_saves_nothing_more(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run(compose_config("train", [*MLP, "steps=2", f"checkpoint.dir={ckpt}"]), str(tmp_path / "a"))
+    later = [*MLP, "checkpoint.every=0", f"checkpoint.dir={ckpt}"]  # another run dir, the same checkpoints
+    with pytest.raises(ConfigError, match="steps: saved 2, now 4"):  # not a silent fresh start beside them
+        run(compose_config("train", later), str(tmp_path / "b"))
+    resumed = run(compose_config("train", [*later, "checkpoint.allow_changes=true"]), str(tmp_path / "c"))
+    assert resumed["resumed_from"] == 2 and sorted(_losses(tmp_path / "c")) == [3, 4]
+    assert os.path.basename(checkpoint.latest(ckpt)) == "step_2"  # every=0: nothing saved after the resume
+
+
 @pytest.mark.parametrize("override", ["data.batch_size=8", "model.config.mlp=128", "precision=bf16",
                                       "optim=sgd", "seed=1", "optim.warmup_steps=2"])
 def test_each_training_defining_key_is_one_a_resume_may_not_change(override):
