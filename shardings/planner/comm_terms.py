@@ -171,9 +171,14 @@ def activation_comm(comm: Comm, cfg: Any, cand: Candidate, rows_mb: float, block
             for phase in ("forward", "backward"):
                 comm.add("all_gather", "cp", phase, blocks * m * kv * c, blocks * m, c)
             comm.add("reduce_scatter", "cp", "backward", blocks * m * kv * c, blocks * m, c)
-        else:
-            for phase, n in (("forward", 1), ("backward", 2)):
-                comm.add("ppermute", "cp", phase, n * (c - 1) * blocks * m * kv, n * (c - 1) * blocks * m)
+        else:  # ring attention (shardings/ops/ring_attention.py): forward passes K/V c-1 times; backward sends
+            # K/V with the dK/dV accumulators (fp32 at least) as one message c-1 times, then dK/dV home: c messages.
+            # Not counted: 2 more sends a block each way (measured on fake tensors, gpt, cp2: 0.6-0.7 of the bytes
+            # here are counted), which an exact run of the candidate corrects
+            calls = blocks * m
+            comm.add("ppermute", "cp", "forward", (c - 1) * calls * kv, (c - 1) * calls)
+            grads = kv * max(width, 4) / width
+            comm.add("ppermute", "cp", "backward", ((c - 1) * kv + c * grads) * calls, c * calls)
     if cand.size("ep") > 1 and getattr(cfg, "experts", 0):  # not on the tested grid: dispatch and combine, each way
         n, k, e = cand.size("ep"), getattr(cfg, "top_k", 1), cfg.experts
         factor = getattr(cfg, "capacity_factor", None)
