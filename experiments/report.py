@@ -264,14 +264,14 @@ def loss_curves(runs: Sequence[dict[str, Any]], path: str | Path) -> Path:
     curves = [({x["step"]: x["loss"] for x in r["records"]}, r["label"]) for r in runs]
     fig, axes = plt.subplots(2 if len(runs) > 1 else 1, 1, figsize=(10, 6 if len(runs) > 1 else 4), sharex=True,
                              squeeze=False, gridspec_kw={"height_ratios": [2, 1]} if len(runs) > 1 else None)
-    for losses, label in curves:
-        axes[0, 0].plot(list(losses), list(losses.values()), label=label)
+    colors = [axes[0, 0].plot(list(losses), list(losses.values()), label=label)[0].get_color()
+              for losses, label in curves]
     axes[0, 0].set(ylabel="loss", title="training loss")
     axes[0, 0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
     (first, first_label), diff = curves[0], axes[-1, 0]
-    for losses, label in curves[1:]:
+    for (losses, label), color in zip(curves[1:], colors[1:], strict=True):  # each in its colour above
         steps = [s for s in losses if s in first]
-        diff.plot(steps, [losses[s] - first[s] for s in steps], label=label)
+        diff.plot(steps, [losses[s] - first[s] for s in steps], label=label, color=color)
     if len(runs) > 1:
         diff.axhline(0, color="gray", linewidth=0.5)
         diff.set(ylabel="loss − the first run's")

@@ -195,3 +195,16 @@ def test_loss_ticks_are_whole_steps_and_warnings_and_compile_time_reach_the_repo
     assert "## Warnings\n\n- #0 precision=fp32 layout=zero3+tp+sp: IdleAxisWarning: mesh axis tp is idle\n" in md
     with open(sweep / "report.csv") as f:
         assert next(csv.DictReader(f))["compile_s"] == "12.3"
+
+
+def test_each_runs_difference_to_the_first_is_drawn_in_that_runs_colour(tmp_path, monkeypatch):
+    sweep = tmp_path / "multirun"
+    for i, losses in enumerate(([5.5, 4.0, 3.5], [5.5, 4.1, 3.4], [5.6, 4.0, 3.6])):
+        _fake_run(sweep / str(i), "fp32", losses)
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    loss_curves(collect(sweep), tmp_path / "loss.png")
+    curves, diffs = ([line for line in ax.get_lines() if line.get_label() and not line.get_label().startswith("_")]
+                     for ax in figures[0].axes)
+    colour = {line.get_label(): line.get_color() for line in curves}
+    assert len(diffs) == 2 and all(line.get_color() == colour[line.get_label()] for line in diffs), colour
