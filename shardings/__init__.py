@@ -39,6 +39,7 @@ from shardings.spec.distribute import from_callback, gather, partial_axes, resha
 from shardings.spec.errors import ShardingError, sharding_error
 from shardings.spec.layouts import Layout
 from shardings.spec.mesh import Mesh, NamedSharding, P
+from shardings.spec.placeholder import resolve
 from shardings.spec.rules import Rules, annotate, logical_to_spec, logical_to_specs
 from shardings.spec.visualize import visualize
 from shardings.step.batching import check_batch_rows
@@ -102,6 +103,7 @@ __all__ = [
     "psum_scatter",
     "rank_map",
     "reshard",
+    "resolve",
     "shard",
     "shard_map",
     "sharding_error",
