@@ -644,6 +644,12 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/shardings/residency/test_zero3_remat.py::test_backward_gathers_each_block_once",
             "tests/shardings/residency/test_zero3_remat.py::"
             "test_the_peak_holds_at_most_two_gathered_blocks_whatever_the_depth")),
+    Mutant("zero3-placeholder-gradient-unchecked", "shardings/residency/lazy_params.py",
+           "        stray = [p for p in self.made if p.requires_grad]",
+           "        stray = []",
+           "a torch.autograd.Function given a ZeRO-3 placeholder (apply() bypasses its gather) loses the weight's "
+           "gradient without a word: the step no longer asks autograd for the placeholders' gradients",
+           ("tests/shardings/residency/test_function_on_placeholder.py",)),
     Mutant("zero3-bucket-materialized-unused-grad", "shardings/residency/gather_buckets.py",
            "        ctx.set_materialize_grads(False)\n",
            "",

@@ -18,6 +18,11 @@ saved tensors): one gather per block in forward, one in backward, as FSDP with a
 forward (:meth:`Gathers.close`) the owner prefetches in backward's order: the bucket the recomputation of the block
 before needs, unless autograd saved that bucket as re-gather handles
 (:class:`~shardings.residency.gather_params.Regather`, which gathers it then).
+
+A ``torch.autograd.Function``'s ``apply()`` does not go through torch functions, so it takes a placeholder as it is:
+its output hangs off the placeholder, not the gathered weight, and the weight's gradient would be lost without a
+word. :meth:`Gathers.grad` (the step's backward) asks autograd for the placeholders' gradients too and raises,
+naming the leaf, when one got any; the fix is :func:`resolve` before ``apply()``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch
 
 from shardings.comm import flat_comm as fc
 from shardings.residency import gather_params
+from core import tree
 from shardings.runtime.compat import disable_torch_function_subclass, pytree
+from shardings.spec.errors import sharding_error
 from shardings.spec.placeholder import Placeholder, resolve
 
 __all__ = ["Gathers", "Lazy", "resolve"]
@@ -63,6 +70,8 @@ class Gathers:
         self.live: dict[int, Sequence[torch.Tensor]] = {}  # bucket -> its full tensors, while forward uses them
         self.in_backward = False  # forward is over (close): a materialization now is a recomputation (remat)
         self.handles: dict[int, Callable[[], bool]] = {}  # bucket -> whether autograd saved it as re-gather handles
+        self.made: list[Lazy] = []  # every placeholder handed out, casts included: :meth:`grad` checks them
+        self.leaf_of: dict[tuple[int, int], int] = {}  # (bucket, position) -> leaf index
 
     def placeholders(self, buckets: Sequence[Sequence[int]], like: Sequence[torch.Tensor],
                      shape_of: Callable[[int], torch.Size]) -> dict[int, torch.Tensor]:
@@ -70,7 +79,26 @@ class Gathers:
         ``shape_of(i)`` (the real tensors when compiling: no subclass to trace)."""
         if torch.compiler.is_compiling():
             return {i: self.materialize(k)[pos] for k, b in enumerate(buckets) for pos, i in enumerate(b)}
+        self.leaf_of.update({(k, pos): i for k, b in enumerate(buckets) for pos, i in enumerate(b)})
         return {i: Lazy(like[i], shape_of(i), self, k, pos) for k, b in enumerate(buckets) for pos, i in enumerate(b)}
+
+    def grad(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], treedef: Any) -> tuple:
+        """``torch.autograd.grad(output, inputs, allow_unused=True)``, and a :class:`ShardingError` when a gradient
+        reached a placeholder itself (an op that bypassed torch functions took it ungathered: the gradient would be
+        lost). ``treedef``: the parameters' structure, whose leaves ``inputs`` are (the error names the key path)."""
+        stray = [p for p in self.made if p.requires_grad]
+        with disable_torch_function_subclass():  # the placeholders go to autograd as they are, ungathered
+            got = torch.autograd.grad(output, [*inputs, *stray], allow_unused=True)
+        lost = [p for p, g in zip(stray, got[len(inputs):]) if g is not None]
+        if lost:
+            paths = [path for path, _ in tree.leaves_with_path(tree.unflatten(treedef, range(len(inputs))))]
+            raise sharding_error(
+                "a gradient reached the ZeRO-3 placeholder of this parameter, not its gathered weight: an op that "
+                "bypasses torch functions (a torch.autograd.Function's apply()) took it ungathered, and the "
+                "parameter's gradient would be lost", path=paths[self.leaf_of[lost[0].bucket, lost[0].pos]],
+                shape=lost[0].shape,
+                fix="pass shardings.resolve(w) (the gathered weight; w itself without ZeRO-3) to the Function")
+        return got[:len(inputs)]
 
     @torch.compiler.disable  # a collective and Python bookkeeping: never traced into a graph (jit=True)
     def materialize(self, k: int) -> Sequence[torch.Tensor]:
@@ -131,6 +159,7 @@ class Lazy(Placeholder):
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype or like.dtype, device=like.device,
                                                    requires_grad=like.requires_grad)
         self.owner, self.bucket, self.pos = owner, bucket, pos
+        owner.made.append(self)
         return self
 
     def materialize(self) -> torch.Tensor:

@@ -64,7 +64,7 @@ def grads(ctx: GradContext, plan: ParamPlan, params: Any, batch: Any,
                 del compute
                 gathers.close()  # forget every gathered bucket: autograd holds what backward needs
                 scaled = loss if scale is None else loss * scale
-                g = gather_buckets.settle(torch.autograd.grad(scaled, leaves, allow_unused=True), gathers)
+                g = gather_buckets.settle(gathers.grad(scaled, leaves, plan.treedef), gathers)
             g = [ctx.cast.to_reduce(torch.zeros_like(p) if gi is None else gi) for p, gi in zip(leaves, g)]
             acc = g if acc is None else [a + b for a, b in zip(acc, g)]
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

@@ -230,7 +230,7 @@ def run(lp: LocalPlan, mesh: Mesh, loss_fn: Callable, treedef: Any, params: Sequ
                 loss = loss_fn(tree.unflatten(treedef, compute), mb) * weight
                 del compute
                 gathered.forward_gathers.close()  # forward is over: autograd holds what backward needs
-            grads = torch.autograd.grad(loss if scale is None else loss * scale, local, allow_unused=True)
+            grads = gathered.forward_gathers.grad(loss if scale is None else loss * scale, local, treedef)
         finally:
             gathered.forward_gathers.close()
             for h in hooks:

@@ -67,7 +67,7 @@ def _scale_use(block, name):  # one weight's use in the forward, 1% off
 
 
 def _scale_grad(block, name):  # one weight's gradient, 1% off (an autograd.Function takes the gathered weight:
-    # given a ZeRO-3 placeholder, its apply() bypasses the gather and the gradient is lost, docs/models.md)
+    # given a ZeRO-3 placeholder, its apply() bypasses the gather and the step raises, docs/models.md)
     scaled = lambda w: _ScaledGrad.apply(shardings.resolve(w))
     return lambda p: p["blocks"][block].update({name: scaled(p["blocks"][block][name])}) or p
 
