@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from core import tree
 from shardings.comm import flat_comm as fc
 from shardings.residency import gather_params
-from core import tree
 from shardings.runtime.compat import disable_torch_function_subclass, pytree
 from shardings.spec.errors import sharding_error
 from shardings.spec.placeholder import Placeholder, resolve
