@@ -16,6 +16,18 @@ Metadata queries (``sym_stride``, ``sym_storage_offset``, ``sym_numel``: most di
 rank's tensor without dispatch. :data:`CALLS` counts the ops x ranks through the loop (a measure of the work that
 does not depend on the machine's load).
 
+Two entry points before the loop are replaced as well (profiled: gpt_small's simulated training on 4 ranks):
+
+* ``LocalTensorMode.__torch_dispatch__`` flattens every op's arguments with ``torch.utils._pytree`` to find the
+  ``LocalTensor`` among them; :func:`_mode_dispatch` walks the plain (tuple, list, dict) nesting aten arguments
+  have instead and then does what torch's does for an aten op (its checks, in its order); any other namespace
+  (collectives, ``device_mesh``, ``profiler``) or argument structure goes to torch's.
+* A view op's aliasing fix-up (``return_and_correct_aliasing``) reads the new ``LocalTensor``'s sizes, strides and
+  offset while no ``LocalTensorMode`` is on the dispatch stack, so each read went through
+  ``LocalTensor.__torch_dispatch__``, which enters a fresh mode per call: every rank's RNG state cloned, the random
+  functions and ``DeviceMesh`` patched and unpatched, for three reads per view op (20% of the profile).
+  :func:`_tensor_dispatch` answers those reads of one ``LocalTensor`` as the mode answers them, with no mode.
+
 Not here: computing ranks whose arguments are the same tensor objects once (tried, removed). Sharing one tensor
 between ranks makes ranks alias storage they do not alias under torch, and a write through one rank's view (a
 Partial's in-place all-reduce, a foreach optimizer write into a flat buffer's views) must then reach exactly the
@@ -66,13 +78,16 @@ def _to_rank(x: Any, r: int, leaf: Any) -> Any:
     return leaf(x, r)
 
 
-def _plain(x: Any) -> bool:
-    """Only tuples, lists, dicts and leaves (no named tuple or other pytree node that ``_to_rank`` would miss)."""
+def _plain(x: Any, leaves: list[Any] | None = None) -> bool:
+    """Only tuples, lists, dicts and leaves (no named tuple or other pytree node that ``_to_rank`` would miss); the
+    leaves met are appended to ``leaves`` (all of them when plain)."""
     t = type(x)
     if t is tuple or t is list:
-        return all(_plain(v) for v in x)
+        return all(_plain(v, leaves) for v in x)
     if t is dict:
-        return all(_plain(v) for v in x.values())
+        return all(_plain(v, leaves) for v in x.values())
+    if leaves is not None:
+        leaves.append(x)
     return not isinstance(x, (tuple, list, dict, _lt.AsyncCollectiveTensor))  # torch waits on those first
 
 
@@ -81,12 +96,15 @@ _META = {_aten.sym_stride.default: torch.Tensor.stride, _aten.sym_storage_offset
          _aten.sym_numel.default: torch.Tensor.numel}  # each rank's answer read off its tensor, not dispatched
 
 
-def _run(func: Any, ranks: frozenset[int], args: Sequence[Any], kwargs: dict[str, Any], *, alias: bool = True) -> Any:
+def _run(func: Any, ranks: frozenset[int], args: Sequence[Any], kwargs: dict[str, Any], *, alias: bool = True,
+         plain: bool = False) -> Any:
+    """torch's ``_for_each_rank_run_func``; ``plain``: the caller checked ``_plain((args, kwargs))``."""
     read = _META.get(func)
     if read is not None and not kwargs and len(args) == 1 and type(args[0]) is _lt.LocalTensor \
             and args[0]._ranks == ranks:
         return _lt._combine_rank_results({r: read(t) for r, t in args[0]._local_tensors.items()}, None)
-    if func is torch.ops.aten.split.Tensor or func is torch.ops.aten.hash_tensor.default or not _plain((args, kwargs)):
+    if func is torch.ops.aten.split.Tensor or func is torch.ops.aten.hash_tensor.default \
+            or not (plain or _plain((args, kwargs))):
         return _ORIGINAL(func, ranks, args, kwargs, alias=alias)
     flat_rank_rets = _call(func, sorted(ranks), args, kwargs, _draws_random(func))
     CALLS["rank_ops"] += len(flat_rank_rets)
@@ -121,7 +139,46 @@ def _call(func: Any, ranks: list[int], args: Sequence[Any], kwargs: dict[str, An
     return flat_rank_rets
 
 
+_SIZE_OPS = {_aten.sym_size.default: lambda t: tuple(t._size), _aten.dim.default: lambda t: len(t._size)}
+
+
+def _mode_dispatch(self: Any, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+    """``LocalTensorMode.__torch_dispatch__`` for an aten op on plain arguments, without the pytree flatten; the
+    same checks in the same order (the rest: torch's)."""
+    kwargs = kwargs or {}
+    flat: list[Any] = []
+    if getattr(func, "namespace", None) != "aten" or not _plain((args, kwargs), flat):
+        return _TORCH_MODE_DISPATCH(self, func, types, args, kwargs)
+    if any(_lt._check_for_subclass_arg(x) for x in flat):
+        return _TORCH_MODE_DISPATCH(self, func, types, args, kwargs)  # torch logs it and returns NotImplemented
+    local = [a for a in flat if isinstance(a, _lt.LocalTensor)]
+    if not local and (self._disable or any(isinstance(a, torch.Tensor) for a in flat)):
+        return func(*args, **kwargs)
+    if any(a._ranks > self.ranks for a in local):
+        return _TORCH_MODE_DISPATCH(self, func, types, args, kwargs)  # torch's error
+    size = _SIZE_OPS.get(func)
+    if size is not None:
+        return size(args[0])
+    return _run(func, self.ranks, args, kwargs, alias=True, plain=True)
+
+
+def _tensor_dispatch(cls: Any, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None) -> Any:
+    """``LocalTensor.__torch_dispatch__`` (no ``LocalTensorMode`` active): a size, stride, offset or numel read of one
+    ``LocalTensor`` answered as the fresh mode torch enters would answer it (:func:`_mode_dispatch`, :func:`_run`),
+    without entering one; anything else torch's."""
+    if not kwargs and len(args) == 1 and type(args[0]) is _lt.LocalTensor:
+        size = _SIZE_OPS.get(func)
+        if size is not None:
+            return size(args[0])
+        read = _META.get(func)
+        if read is not None:
+            return _lt._combine_rank_results({r: read(t) for r, t in args[0]._local_tensors.items()}, None)
+    return _TORCH_TENSOR_DISPATCH.__func__(cls, func, types, args, kwargs)
+
+
 _ORIGINAL = _lt._for_each_rank_run_func if _lt is not None else None
+_TORCH_MODE_DISPATCH = _lt.LocalTensorMode.__torch_dispatch__ if _lt is not None else None
+_TORCH_TENSOR_DISPATCH = _lt.LocalTensor.__dict__["__torch_dispatch__"] if _lt is not None else None
 _TORCH_META = _lt._compute_local_tensor_meta if _lt is not None else None
 
 
@@ -150,11 +207,15 @@ def installed() -> Iterator[None]:
         return
     _lt.module._for_each_rank_run_func = _run
     _lt.module._compute_local_tensor_meta = _local_meta
+    _lt.LocalTensorMode.__torch_dispatch__ = _mode_dispatch
+    _lt.LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(_tensor_dispatch))
     try:
         yield
     finally:
         _lt.module._for_each_rank_run_func = _ORIGINAL
         _lt.module._compute_local_tensor_meta = _TORCH_META
+        _lt.LocalTensorMode.__torch_dispatch__ = _TORCH_MODE_DISPATCH
+        _lt.LocalTensor.__torch_dispatch__ = _TORCH_TENSOR_DISPATCH
 
 
 def rank_map(mode: Any, cb: Any) -> Any:
