@@ -687,6 +687,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "simulated ranks run every tiny per-rank op on the caller's whole thread pool (10x slower under load)",
            ("tests/shardings/runtime/test_simulate_reset.py::"
             "test_simulated_ranks_get_a_real_ranks_threads_and_give_them_back",)),
+    Mutant("fastlocal-factory-stays-plain", "shardings/runtime/fastlocal.py",
+           "    if not local and (self._disable or any(isinstance(a, torch.Tensor) for a in flat)):",
+           "    if not local:",
+           "inside simulate a factory function (torch.ones, torch.zeros: no tensor argument) returns a plain tensor, "
+           "not a LocalTensor of one tensor per rank: an in-place write of rank-dependent values into it fails or "
+           "mixes ranks",
+           ("tests/shardings/runtime/test_fastlocal.py::test_writes_views_foreach_and_collectives_equal_torchs_loop",)),
     Mutant("fastlocal-meta-ignores-strides", "shardings/runtime/fastlocal.py",
            "        if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.layout != layout \\\n",
            "        if t.shape != shape or t.dtype != dtype or t.layout != layout \\\n",

@@ -57,7 +57,7 @@ def _views_program():
         out.append([(r, t.tolist(), t.shape, t.stride(), t.storage_offset()) for r, t in sorted(ranks.items())])
     shared = [all(v._local_tensors[r].untyped_storage().data_ptr() == b._local_tensors[r].untyped_storage().data_ptr()
                   for r in v._local_tensors) for v, b in zip(views, [even] * 4 + [uneven] * 3, strict=True)]
-    return out, shared, [repr(v.shape) for v in views]
+    return out, shared, [(repr(v.shape), repr(v.stride()), repr(v.storage_offset())) for v in views]  # the wrappers'
 
 
 def test_view_ops_equal_torchs_loop_and_enter_no_fresh_mode(monkeypatch):
