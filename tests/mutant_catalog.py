@@ -559,8 +559,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the RNG state is never restored between ranks: each simulated rank draws different random numbers",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
     Mutant("fastlocal-rank-args-off-by-one", "shardings/runtime/fastlocal.py",
-           "        rank_args, rank_kwargs = _to_rank(args, r, leaf), _to_rank(kwargs, r, leaf)",
-           "        rank_args, rank_kwargs = _to_rank(args, (r + 1) % len(ranks), leaf), _to_rank(kwargs, r, leaf)",
+           "        rank_args = args if args_at is None else args_at(r)",
+           "        rank_args = args if args_at is None else args_at((r + 1) % len(ranks))",
            "each rank computes on its neighbour's local values",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
     # -- the zoo's planner column and experiments.train's data check (issue #40) ------------------------------------

@@ -5,8 +5,9 @@ calls): ``torch.utils._pytree`` inside ``LocalTensorMode``'s per-op loop — the
 rank* (663,934 ``unflatten`` calls, ~17% of the profile) — and saving/restoring the RNG state around every rank's
 call of every op, random or not (143,199 ``get_state`` calls). This loop does the same work without either:
 
-* each rank's arguments are built by a direct walk of the (tuple, list, dict) nesting aten arguments have,
-  each leaf mapped exactly as torch maps it (``_map_to_rank_local_val``);
+* each rank's arguments are built from one walk per op of the (tuple, list, dict) nesting aten arguments have
+  (:func:`_at_rank`): each rank fills in only its own values of the rank-dependent leaves, each mapped exactly as
+  torch maps it (``_map_to_rank_local_val``);
 * a new ``LocalTensor``'s metadata is read off its first rank's tensor when every rank's agrees (:func:`_local_meta`);
 * the RNG state is saved/restored per rank only for ops that can draw random numbers (tagged
   ``nondeterministic_seeded``, or not an ``OpOverload`` at all); any other op leaves the generators as they
@@ -43,8 +44,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,18 +70,34 @@ def _draws_random(func: Any) -> bool:
     return hit
 
 
-def _to_rank(x: Any, r: int, leaf: Any) -> Any:
-    """``x`` with every leaf mapped by ``leaf(v, r)``, through the tuples, lists and dicts aten arguments use."""
+def _at_rank(x: Any) -> Callable[[int], Any] | None:
+    """``r -> x`` with each leaf mapped as torch maps it (``_map_to_rank_local_val``: a ``LocalTensor`` to rank ``r``'s
+    tensor, a per-rank ``SymInt`` to rank ``r``'s int), through the tuples, lists and dicts aten arguments use; built
+    once per op, so each rank only fills in its own values. ``None`` when no leaf depends on the rank (``x`` itself,
+    the same object, serves every rank)."""
     t = type(x)
-    if t is tuple or t is list:
-        return t(_to_rank(v, r, leaf) for v in x)
-    if t is dict:
-        return {k: _to_rank(v, r, leaf) for k, v in x.items()}
-    return leaf(x, r)
+    if t is tuple or t is list or t is dict:
+        items = x.items() if t is dict else enumerate(x)
+        slots = [(k, at) for k, v in items if (at := _at_rank(v)) is not None]
+        if not slots:
+            return None
+        base = dict(x) if t is dict else list(x)
+
+        def fill(r: int) -> Any:
+            out = base.copy()
+            for k, at in slots:
+                out[k] = at(r)
+            return tuple(out) if t is tuple else out
+        return fill
+    if isinstance(x, _lt.LocalTensor):
+        return x._local_tensors.__getitem__
+    if isinstance(x, torch.SymInt):
+        return functools.partial(_lt._map_to_rank_local_val, x)
+    return None
 
 
 def _plain(x: Any, leaves: list[Any] | None = None) -> bool:
-    """Only tuples, lists, dicts and leaves (no named tuple or other pytree node that ``_to_rank`` would miss); the
+    """Only tuples, lists, dicts and leaves (no named tuple or other pytree node that ``_at_rank`` would miss); the
     leaves met are appended to ``leaves`` (all of them when plain)."""
     t = type(x)
     if t is tuple or t is list:
@@ -122,8 +140,8 @@ def _call(func: Any, ranks: list[int], args: Sequence[Any], kwargs: dict[str, An
     lm = _lt.enabled_local_tensor_mode()
     use_per_rank_rng = lm is not None and len(lm._per_rank_rng_states) > 0
     global_rng_state = _lt._get_rng_state() if random and not use_per_rank_rng else None
-    leaf = _lt._map_to_rank_local_val
     args = tuple(args)
+    args_at, kwargs_at = _at_rank(args), _at_rank(kwargs)
     flat_rank_rets = {}
     for r in ranks:
         if random:
@@ -132,7 +150,8 @@ def _call(func: Any, ranks: list[int], args: Sequence[Any], kwargs: dict[str, An
                     _lt._set_rng_state(*lm._per_rank_rng_states[r])
             else:
                 _lt._set_rng_state(*global_rng_state)
-        rank_args, rank_kwargs = _to_rank(args, r, leaf), _to_rank(kwargs, r, leaf)
+        rank_args = args if args_at is None else args_at(r)
+        rank_kwargs = kwargs if kwargs_at is None else kwargs_at(r)
         flat_rank_rets[r] = func(*rank_args, **rank_kwargs)
         if random and use_per_rank_rng:
             lm._per_rank_rng_states[r] = _lt._get_rng_state()
