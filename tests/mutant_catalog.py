@@ -694,6 +694,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "not a LocalTensor of one tensor per rank: an in-place write of rank-dependent values into it fails or "
            "mixes ranks",
            ("tests/shardings/runtime/test_fastlocal.py::test_writes_views_foreach_and_collectives_equal_torchs_loop",)),
+    Mutant("fastlocal-split-pads-dim-0", "shardings/runtime/fastlocal.py",
+           "    dim = 0 if len(flat) < 3 else _lt._map_to_rank_local_val(flat[2], first)",
+           "    dim = 0",
+           "a split along dim 1 pads the ranks that got fewer chunks with chunks empty along dim 0: their shapes "
+           "differ from torch's loop",
+           ("tests/shardings/runtime/test_fastlocal.py::test_split_pads_ranks_with_fewer_chunks_as_torchs_loop",)),
     Mutant("fastlocal-meta-ignores-strides", "shardings/runtime/fastlocal.py",
            "        if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.layout != layout \\\n",
            "        if t.shape != shape or t.dtype != dtype or t.layout != layout \\\n",

@@ -35,9 +35,10 @@ Partial's in-place all-reduce, a foreach optimizer write into a flat buffer's vi
 views of that rank, which are held by tensors (autograd, DTensors, optimizer state) the loop cannot see; with it
 on, 36 tests of the suite failed or were refused, and it saved 2-8% of the time at 16-128 ranks.
 
-Everything else (in-place ops, split's padding, aliasing, combining the ranks' results) is torch's own code,
-called as torch calls it. :func:`installed` puts the loop in place for the body of :func:`shardings.simulate`
-and restores torch's on exit; ``SHARDLAB_SIMULATE_FAST=0`` keeps torch's (the A/B switch of the bench).
+Everything else (in-place ops, aliasing, combining the ranks' results, with a split's padding made as torch's loop
+makes it: :func:`_split_padding`) is torch's own code, called as torch calls it. :func:`installed` puts the loop in
+place for the body of :func:`shardings.simulate` and restores torch's on exit; ``SHARDLAB_SIMULATE_FAST=0`` keeps
+torch's (the A/B switch of the bench).
 """
 
 from __future__ import annotations
@@ -121,18 +122,28 @@ def _run(func: Any, ranks: frozenset[int], args: Sequence[Any], kwargs: dict[str
     if read is not None and not kwargs and len(args) == 1 and type(args[0]) is _lt.LocalTensor \
             and args[0]._ranks == ranks:
         return _lt._combine_rank_results({r: read(t) for r, t in args[0]._local_tensors.items()}, None)
-    if func is torch.ops.aten.split.Tensor or func is torch.ops.aten.hash_tensor.default \
-            or not (plain or _plain((args, kwargs))):
+    if func is torch.ops.aten.hash_tensor.default or not (plain or _plain((args, kwargs))):
         return _ORIGINAL(func, ranks, args, kwargs, alias=alias)
-    flat_rank_rets = _call(func, sorted(ranks), args, kwargs, _draws_random(func))
+    order = sorted(ranks)
+    flat_rank_rets = _call(func, order, args, kwargs, _draws_random(func))
     CALLS["rank_ops"] += len(flat_rank_rets)
     if _lt._is_inplace_op(func):
         ret = args[0]
         if isinstance(func, _lt.OpOverload) and torch.Tag.inplace_view in func.tags:
             ret._sync_meta()
         return ret
-    ret = _lt._combine_rank_results(flat_rank_rets, None)
+    padding = _split_padding(args, kwargs, order[0]) if func is torch.ops.aten.split.Tensor else None
+    ret = _lt._combine_rank_results(flat_rank_rets, padding)
     return _lt.return_and_correct_aliasing(func, args, kwargs, ret) if alias else ret
+
+
+def _split_padding(args: Sequence[Any], kwargs: dict[str, Any], first: int) -> torch.Tensor:
+    """What torch pads a ``split`` with on ranks that got fewer chunks (splitting a dim shorter than the chunks): an
+    empty chunk, zero-sized on the split dim (the third argument, positional or not), shaped like the first rank's
+    input, as torch's loop makes it."""
+    flat = [*args, *kwargs.values()]
+    dim = 0 if len(flat) < 3 else _lt._map_to_rank_local_val(flat[2], first)
+    return _lt.module._zero_sized_like(_lt._map_to_rank_local_val(args[0], first), dim)
 
 
 def _call(func: Any, ranks: list[int], args: Sequence[Any], kwargs: dict[str, Any], random: bool) -> dict:

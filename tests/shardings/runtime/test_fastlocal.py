@@ -135,3 +135,23 @@ def test_local_tensor_metadata_is_torchs(case):
         "one rank": {4: torch.randn(2, 3)},
     }[case]
     assert _meta_or_error(fastlocal._local_meta, local) == _meta_or_error(fastlocal._TORCH_META, local)
+
+
+def _splits_program():
+    """``split`` (and ``chunk``, which is a split) of an uneven LocalTensor into more chunks than some ranks' rows:
+    those ranks' lists are padded with empty chunks, as torch's loop pads them; the split dim positional or not."""
+    mesh = Mesh(dp=4)
+    uneven = shardings.shard(torch.arange(28.0).reshape(7, 4), P("dp"), mesh).to_local()  # 2, 2, 2, 1 rows
+    parts = [*uneven.split(1), *torch.ops.aten.split.Tensor(uneven.t(), 1, dim=1), *uneven.chunk(2, dim=1)]
+    return [[(r, t.tolist(), t.shape) for r, t in sorted(p._local_tensors.items())] for p in parts], len(parts)
+
+
+def test_split_pads_ranks_with_fewer_chunks_as_torchs_loop(monkeypatch):
+    results = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", fast)
+        with shardings.simulate(4):
+            results[fast] = _splits_program()
+    assert results["1"] == results["0"]
+    parts, count = results["1"]
+    assert count == 2 + 2 + 2 and parts[1][3][2] == (0, 4)  # rank 3 (one row) got an empty second chunk
