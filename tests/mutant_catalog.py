@@ -559,8 +559,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the RNG state is never restored between ranks: each simulated rank draws different random numbers",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
     Mutant("fastlocal-rank-args-off-by-one", "shardings/runtime/fastlocal.py",
-           "        rank_args, rank_kwargs = _to_rank(args, r, leaf), _to_rank(kwargs, r, leaf)",
-           "        rank_args, rank_kwargs = _to_rank(args, (r + 1) % len(ranks), leaf), _to_rank(kwargs, r, leaf)",
+           "        rank_args = args if args_at is None else args_at(r)",
+           "        rank_args = args if args_at is None else args_at((r + 1) % len(ranks))",
            "each rank computes on its neighbour's local values",
            ("tests/shardings/runtime/test_fastlocal.py::test_fast_loop_equals_torchs_loop",)),
     # -- the zoo's planner column and experiments.train's data check (issue #40) ------------------------------------
@@ -693,6 +693,19 @@ MUTANTS: tuple[Mutant, ...] = (
            "simulated ranks run every tiny per-rank op on the caller's whole thread pool (10x slower under load)",
            ("tests/shardings/runtime/test_simulate_reset.py::"
             "test_simulated_ranks_get_a_real_ranks_threads_and_give_them_back",)),
+    Mutant("fastlocal-factory-stays-plain", "shardings/runtime/fastlocal.py",
+           "    if not local and (self._disable or any(isinstance(a, torch.Tensor) for a in flat)):",
+           "    if not local:",
+           "inside simulate a factory function (torch.ones, torch.zeros: no tensor argument) returns a plain tensor, "
+           "not a LocalTensor of one tensor per rank: an in-place write of rank-dependent values into it fails or "
+           "mixes ranks",
+           ("tests/shardings/runtime/test_fastlocal.py::test_writes_views_foreach_and_collectives_equal_torchs_loop",)),
+    Mutant("fastlocal-split-pads-dim-0", "shardings/runtime/fastlocal.py",
+           "    dim = 0 if len(flat) < 3 else _lt._map_to_rank_local_val(flat[2], first)",
+           "    dim = 0",
+           "a split along dim 1 pads the ranks that got fewer chunks with chunks empty along dim 0: their shapes "
+           "differ from torch's loop",
+           ("tests/shardings/runtime/test_fastlocal.py::test_split_pads_ranks_with_fewer_chunks_as_torchs_loop",)),
     Mutant("fastlocal-meta-ignores-strides", "shardings/runtime/fastlocal.py",
            "        if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.layout != layout \\\n",
            "        if t.shape != shape or t.dtype != dtype or t.layout != layout \\\n",

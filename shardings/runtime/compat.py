@@ -358,7 +358,7 @@ def global_tensor_info(tensor: torch.Tensor, mesh: Any, placements: Any) -> tupl
 _LOOP_NAMES = ("_for_each_rank_run_func", "_map_to_rank_local_val", "_get_rng_state", "_set_rng_state",
                "_is_inplace_op", "_combine_rank_results", "return_and_correct_aliasing", "AsyncCollectiveTensor",
                "enabled_local_tensor_mode", "OpOverload", "LocalTensor", "_compute_local_tensor_meta",
-               "_get_extra_dispatch_keys")
+               "_get_extra_dispatch_keys", "LocalTensorMode", "_check_for_subclass_arg", "_zero_sized_like")
 
 
 def local_tensor_internals() -> Any:

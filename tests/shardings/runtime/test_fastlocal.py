@@ -34,8 +34,49 @@ def test_installed_only_inside_simulate():
     with shardings.simulate(2):
         assert lt.module._for_each_rank_run_func is fastlocal._run
         assert lt.module._compute_local_tensor_meta is fastlocal._local_meta
+        assert lt.LocalTensorMode.__torch_dispatch__ is fastlocal._mode_dispatch
+        assert lt.LocalTensor.__dict__["__torch_dispatch__"] is not fastlocal._TORCH_TENSOR_DISPATCH
     assert lt.module._for_each_rank_run_func is fastlocal._ORIGINAL
     assert lt.module._compute_local_tensor_meta is fastlocal._TORCH_META
+    assert lt.LocalTensorMode.__torch_dispatch__ is fastlocal._TORCH_MODE_DISPATCH
+    assert lt.LocalTensor.__dict__["__torch_dispatch__"] is fastlocal._TORCH_TENSOR_DISPATCH
+
+
+def _views_program():
+    """View ops on an even and an uneven (per-rank sizes) LocalTensor, a write through one view: each result's
+    per-rank values, sizes, strides and storage offsets, and whether each view shares its base's storage."""
+    mesh = Mesh(dp=4)
+    even = shardings.shard(torch.arange(32.0).reshape(8, 4), P("dp"), mesh).to_local()  # (2, 4) a rank
+    uneven = shardings.shard(torch.arange(28.0).reshape(7, 4), P("dp"), mesh).to_local()  # 2, 2, 2, 1 rows
+    views = [even.t(), even[1:], even.view(8), even.transpose(0, 1)[1],
+             uneven.t(), uneven.select(1, 2), uneven.unsqueeze(0)]
+    views[1].mul_(-1)  # a write through a view reaches its base
+    out = []
+    for v in [even, uneven, *views]:
+        ranks = v._local_tensors
+        out.append([(r, t.tolist(), t.shape, t.stride(), t.storage_offset()) for r, t in sorted(ranks.items())])
+    shared = [all(v._local_tensors[r].untyped_storage().data_ptr() == b._local_tensors[r].untyped_storage().data_ptr()
+                  for r in v._local_tensors) for v, b in zip(views, [even] * 4 + [uneven] * 3, strict=True)]
+    return out, shared, [(repr(v.shape), repr(v.stride()), repr(v.storage_offset())) for v in views]  # the wrappers'
+
+
+def test_view_ops_equal_torchs_loop_and_enter_no_fresh_mode(monkeypatch):
+    """A view op's aliasing fix-up reads the new LocalTensor's sizes, strides and offset with no mode active; torch
+    entered a fresh LocalTensorMode for each read (every rank's RNG state cloned), shardlab's answers them directly."""
+    lt = local_tensor_internals()
+    entered = []
+    enter = lt.LocalTensorMode.__enter__
+    monkeypatch.setattr(lt.LocalTensorMode, "__enter__", lambda self: entered.append(1) or enter(self))
+    results = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", fast)
+        with shardings.simulate(4):
+            before = len(entered)
+            results[fast] = _views_program()
+            results[fast + "-entered"] = len(entered) - before
+    assert results["1"] == results["0"]
+    assert all(results["1"][1])  # every view aliases its base's storage on every rank
+    assert results["1-entered"] == 0 < results["0-entered"]  # torch's: at least one fresh mode per view
 
 
 def _writes_program():
@@ -94,3 +135,23 @@ def test_local_tensor_metadata_is_torchs(case):
         "one rank": {4: torch.randn(2, 3)},
     }[case]
     assert _meta_or_error(fastlocal._local_meta, local) == _meta_or_error(fastlocal._TORCH_META, local)
+
+
+def _splits_program():
+    """``split`` (and ``chunk``, which is a split) of an uneven LocalTensor into more chunks than some ranks' rows:
+    those ranks' lists are padded with empty chunks, as torch's loop pads them; the split dim positional or not."""
+    mesh = Mesh(dp=4)
+    uneven = shardings.shard(torch.arange(28.0).reshape(7, 4), P("dp"), mesh).to_local()  # 2, 2, 2, 1 rows
+    parts = [*uneven.split(1), *torch.ops.aten.split.Tensor(uneven.t(), 1, dim=1), *uneven.chunk(2, dim=1)]
+    return [[(r, t.tolist(), t.shape) for r, t in sorted(p._local_tensors.items())] for p in parts], len(parts)
+
+
+def test_split_pads_ranks_with_fewer_chunks_as_torchs_loop(monkeypatch):
+    results = {}
+    for fast in ("1", "0"):
+        monkeypatch.setenv("SHARDLAB_SIMULATE_FAST", fast)
+        with shardings.simulate(4):
+            results[fast] = _splits_program()
+    assert results["1"] == results["0"]
+    parts, count = results["1"]
+    assert count == 2 + 2 + 2 and parts[1][3][2] == (0, 4)  # rank 3 (one row) got an empty second chunk
