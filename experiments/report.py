@@ -13,7 +13,7 @@ directory itself):
   ``memory.png`` (per run the measured peak by role, and each rank's: :mod:`experiments.memory_plot`),
   ``comm.png`` (comm bytes per step per run, stacked by
   collective kind on mesh axis: :func:`comm_by_axis`) and ``throughput.png`` (tokens/s per run, runs on
-  simulated ranks hatched and said to be several times below real processes: :func:`throughput`);
+  simulated ranks hatched and said to be below real processes: :func:`throughput`);
 - ``layout_<i>.png`` for each run that wrote ``layout.json`` (``shardings.describe_layout``): per
   parameter group and role the spec, shaded by the share of the tensor a rank holds (a colour bar says so),
   beside the step's collectives by kind × mesh axis;
@@ -49,7 +49,7 @@ __all__ = ["SIMULATED_NOTE", "collect", "comm_by_axis", "draw_layout", "job_warn
            "throughput", "write_report"]
 
 _MEMORY = ("params", "grads", "opt_state")
-SIMULATED_NOTE = "simulated ranks (one process): several times below real processes, not a throughput measure"
+SIMULATED_NOTE = "simulated ranks (one process): below real processes, not a throughput measure"
 
 
 def _overrides(run: Path) -> list[str]:
@@ -299,8 +299,8 @@ def write_report(runs: list[dict[str, Any]], out: str | Path, all_jobs: list[dic
     (out / "report.md").write_text(
         f"# Sweep report: {_counts(all_jobs) if all_jobs else f'{len(runs)} runs'}\n\n{jobs_md}"
         "Comm is bytes sent per rank per step (mean over steps); memory is bytes held per rank after the "
-        f"last step. Tokens/s of runs on simulated ranks (one process) are several times below real processes' "
-        "(0.22× on gpt_small's 4 ranks: python -m experiments.bench.simulate) and are "
+        f"last step. Tokens/s of runs on simulated ranks (one process, every rank in turn) are below real "
+        "processes' (0.62× on gpt_small's 4 ranks: python -m experiments.bench.simulate) and are "
         f"no throughput measure.\n\n{_markdown(header, rows)}\n\n{_warnings_md(runs, all_jobs)}![loss](loss.png)\n\n"
         "![memory](memory.png)\n\n![comm](comm.png)\n\n![throughput](throughput.png)\n"
     )
