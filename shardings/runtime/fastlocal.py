@@ -238,7 +238,7 @@ def installed() -> Iterator[None]:
     _lt.module._for_each_rank_run_func = _run
     _lt.module._compute_local_tensor_meta = _local_meta
     _lt.LocalTensorMode.__torch_dispatch__ = _mode_dispatch
-    _lt.LocalTensor.__torch_dispatch__ = classmethod(torch._disable_dynamo(_tensor_dispatch))
+    _lt.LocalTensor.__torch_dispatch__ = classmethod(torch.compiler.disable(_tensor_dispatch))
     try:
         yield
     finally:
