@@ -35,10 +35,8 @@ Each real rank compiles into an inductor cache of its own (:func:`rank_compile_c
 omits the rank that DTensor's traced graphs bake in (a Shard's offset), so on a warm shared cache one rank ran
 another rank's compiled code: gated_conv under cp computed a loss 0.7% off and wrong gradients, silently, on the
 second run of the same job only (pytorch/pytorch#188332 is the same collision on the all-gather bucketing path).
-Today the step's ``inductor`` backend (:data:`shardings.ops.compile_decompositions.INDUCTOR`, custom
-decompositions) bypasses inductor's FX graph and AOTAutograd caches (torch 2.13 cannot key a decomposition table),
-so a warm run lowers every graph again and reuses only compiled kernels, keyed by their source (rank-safe); the
-rank directories guard the day those caches are hit again.
+The step's ``inductor`` backend hits those caches
+(FX graph, AOTAutograd) although it brings decompositions of its own (``shardings.runtime.compat.inductor_with``).
 
 Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
 some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step
@@ -147,8 +145,7 @@ def rank_compile_cache(mesh: Mesh) -> str | None:
     without real ranks: one device has nothing to collide with, and simulated ranks do not compile).
 
     The directory is ``<inductor's cache dir>/shardlab-ranks/<mesh>/rank<r>``: the same rank of the same mesh
-    reuses what it compiled before (a resumed run reuses its compiled kernels; the FX graph cache is bypassed today:
-    module docstring), and no rank ever loads another rank's code."""
+    reuses what it compiled before (a resumed run starts warm), and no rank ever loads another rank's code."""
     if not dist.is_initialized() or simulated():
         return None
     if not _CACHE_ROOT:

@@ -143,8 +143,8 @@ def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback
     # each rank's step points inductor (TORCHINDUCTOR_CACHE_DIR, read at each compile) at a directory of that rank
     # and mesh alone, no rank at another's: inductor's FX graph / AOTAutograd cache keys omit the rank a traced
     # DTensor graph bakes in (a Shard's offset), so on a shared warm cache one rank would load another's code
-    # (shardings.step.compiled.rank_compile_cache). Checked directly: the step's train-step compiles bypass those
-    # caches today (docs/performance.md), so a warm run could not show the collision
+    # (shardings.step.compiled.rank_compile_cache). Checked directly, beside
+    # the zoo's warm run (which sees it only while inductor's caches are hit, docs/performance.md)
     for layout in ("dp", "cp"):
         where = [r[layout]["cache"] for r in ranks]
         for rank, cache, inductor_dir in where:
