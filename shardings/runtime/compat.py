@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -294,16 +296,41 @@ def inductor_with(decompositions: dict[Any, Callable]) -> Callable:
     """A ``torch.compile`` backend: inductor (``torch._inductor.compile_fx.compile_fx``, what ``backend="inductor"``
     runs) with ``decompositions`` in place of its own for those ops; each is given inductor's own decomposition of
     its op first (``torch._inductor.decomposition.select_decomp_table()``, read at each compile). Checked on torch
-    2.13."""
+    2.13.
+
+    The table is handed over as a :class:`_DecompTable`, which pickles by reference: inductor keys its FX graph cache
+    (and so the AOTAutograd cache) on the pickled table, and 612 of its own 1101 entries do not pickle, which made
+    every compile bypass both caches (``fxgraph_cache_bypass``: a warm run lowered every graph again)."""
     from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
+
+    items = tuple((str(op), fn) for op, fn in decompositions.items())  # "aten.cat.default": an op does not pickle
+    digest = hashlib.sha256("".join(inspect.getsource(fn) for _, fn in items).encode()).hexdigest()
 
     def compile(gm: Any, example_inputs: Any) -> Any:
-        table = select_decomp_table()
-        ours = {op: functools.partial(fn, table[op]) for op, fn in decompositions.items() if op in table}
-        return compile_fx(gm, example_inputs, decompositions={**table, **ours})
+        return compile_fx(gm, example_inputs, decompositions=_decomp_table(items, digest))
 
     return compile
+
+
+class _DecompTable(dict):
+    """Inductor's decomposition table with ours (:func:`inductor_with`), pickled as the recipe that rebuilds it:
+    our decompositions by op name and reference, and a digest of their source (a changed one misses the cache)."""
+
+    def __init__(self, table: dict, recipe: tuple) -> None:
+        super().__init__(table)
+        self.recipe = recipe
+
+    def __reduce__(self) -> tuple:
+        return _decomp_table, self.recipe
+
+
+def _decomp_table(items: tuple, digest: str) -> _DecompTable:
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = select_decomp_table()
+    ops = {name: functools.reduce(getattr, name.split("."), torch.ops) for name, _ in items}
+    ours = {ops[name]: functools.partial(fn, table[ops[name]]) for name, fn in items if ops[name] in table}
+    return _DecompTable({**table, **ours}, (items, digest))
 
 
 def suggest_memory_format(x: torch.Tensor) -> torch.memory_format:

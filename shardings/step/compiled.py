@@ -35,6 +35,8 @@ Each real rank compiles into an inductor cache of its own (:func:`rank_compile_c
 omits the rank that DTensor's traced graphs bake in (a Shard's offset), so on a warm shared cache one rank ran
 another rank's compiled code: gated_conv under cp computed a loss 0.7% off and wrong gradients, silently, on the
 second run of the same job only (pytorch/pytorch#188332 is the same collision on the all-gather bucketing path).
+The step's ``inductor`` backend hits those caches (FX graph, AOTAutograd) although it brings decompositions of its
+own (``shardings.runtime.compat.inductor_with``).
 
 Guards: from the first step on, every batch leaf must keep its shape (a change would compile new graphs on
 some ranks: it raises a :class:`~shardings.spec.errors.ShardingError` naming the leaf); from step

@@ -21,9 +21,9 @@ import core
 import shardings
 from models import gpt, moe
 from shardings import Mesh, launch
-from shardings.runtime.compat import TorchDispatchMode
+from shardings.runtime.compat import TorchDispatchMode, inductor_cache_dir
 from shardings.spec.errors import ShardingError
-from shardings.step.compiled import WARMUP_STEPS, CompileFallbackWarning
+from shardings.step.compiled import RANK_CACHES, WARMUP_STEPS, CompileFallbackWarning
 from shardings.testing import assert_close
 
 pytestmark = pytest.mark.multiprocess
@@ -71,6 +71,7 @@ def _counted_steps(layout: str, mesh: Mesh, steps: int, model: Any = gpt, cfg: A
                              accum_steps=2, clip_norm=0.5)
     step, eager = make(jit=True, jit_backend="aot_eager"), make()
     batch, out = model.example_batch(cfg, 8), {"counts": [], "comms": [], "received": [], "losses": []}
+    out["cache"] = (torch.distributed.get_rank(), step.compiled.cache, inductor_cache_dir())  # where inductor writes
     compiled, twin = (params, step.init(params)), (params, eager.init(params))
     for _ in range(steps):
         with _Received() as held:
@@ -109,7 +110,8 @@ def _counts_and_errors() -> dict:
 
 
 def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback_warning():
-    got = launch(_counts_and_errors, 2)[0]
+    ranks = launch(_counts_and_errors, 2)
+    got = ranks[0]
     for layout in ("dp", "zero3", "tp+sp", "cp", "ep"):
         run = got[layout]
         # every block shares one graph (embedding and head stay eager, as torchtitan's); none breaks, none is added.
@@ -138,6 +140,17 @@ def test_one_graph_per_block_no_recompiles_a_shape_change_error_and_the_fallback
             assert all(eager > 0 for _, eager in received), (layout, received)
         jit_losses, eager_losses = (torch.tensor(x) for x in zip(*run["losses"], strict=True))
         assert_close(jit_losses, eager_losses, terms=8 * CFG.seq_len, msg=f"{layout}: jit vs eager losses")
+    # each rank's step points inductor (TORCHINDUCTOR_CACHE_DIR, read at each compile) at a directory of that rank
+    # and mesh alone, no rank at another's: inductor's FX graph / AOTAutograd cache keys omit the rank a traced
+    # DTensor graph bakes in (a Shard's offset), so on a shared warm cache one rank would load another's code
+    # (shardings.step.compiled.rank_compile_cache). Checked directly, beside
+    # the zoo's warm run (which sees it only while inductor's caches are hit, docs/performance.md)
+    for layout in ("dp", "cp"):
+        where = [r[layout]["cache"] for r in ranks]
+        for rank, cache, inductor_dir in where:
+            mesh = "Mesh_dp_2" if layout == "dp" else "Mesh_cp_2"
+            assert cache == inductor_dir and inductor_dir.endswith(f"/{RANK_CACHES}/{mesh}/rank{rank}"), where
+        assert where[0][2] != where[1][2], where
     # a layout that does not compile runs eagerly, said once with the warning's class, and still trains
     assert len(got["fallback"]) == 1 and "runs eagerly" in got["fallback"][0], got["fallback"]
     assert 0 < got["fallback_loss"] < 10
